@@ -1,0 +1,212 @@
+"""Tensors for TorchEngine: the model, a per-slot KV cache, batched prefill and decode.
+
+The runner computes; it decides nothing. The scheduler tells it which rows to prefill and when to
+decode. Running requests occupy KV rows 0..B-1 *contiguously* (the engine compacts rows when a request
+leaves), so a decode step attends over a view ``cache[:B, :, :L]`` with no gather, where L is the
+longest live context in the batch rather than the model's maximum: the cost follows the real lengths.
+
+For Llama-family decoders (Llama, Qwen2, Qwen3, Mistral: `model.model.layers[i].self_attn.{q,k,v,o}_proj`)
+the runner walks the Hugging Face modules itself and only replaces attention + cache, so norms, MLPs,
+rotary scaling and biases stay exactly transformers' code. Other architectures use `FallbackRunner`,
+which recomputes the whole sequence every step: correct, slow, and said so in the docs.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _default_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def supports_fast_path(model: Any) -> bool:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "embed_tokens"):
+        return False
+    if getattr(model.config, "use_sliding_window", False) and getattr(model.config, "sliding_window", None):
+        return False
+    attn = getattr(layers[0], "self_attn", None)
+    return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and all(
+        hasattr(layers[0], n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")
+    )
+
+
+class ModelRunner:
+    """Per-slot KV cache runner for Llama-family models."""
+
+    def __init__(self, model: Any, num_rows: int, max_len: int) -> None:
+        self.model = model
+        cfg = model.config
+        self.layers = list(model.model.layers)
+        attn0 = self.layers[0].self_attn
+        self.head_dim = int(getattr(attn0, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.scale = float(getattr(attn0, "scaling", self.head_dim**-0.5))
+        mod = sys.modules.get(type(attn0).__module__)
+        self._rope = getattr(mod, "apply_rotary_pos_emb", None) or _default_rope
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.allocate()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+    def allocate(self) -> None:
+        shape = (self.num_rows, self.num_kv_heads, self.max_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+
+    def free(self) -> None:
+        self.k_cache, self.v_cache = [], []
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Compaction: the request in row `src` now lives in row `dst`."""
+        for k, v in zip(self.k_cache, self.v_cache, strict=True):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
+    def _attend(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write, read):
+        attn = layer.self_attn
+        b, t, _ = h.shape
+        q = attn.q_proj(h).view(b, t, -1, self.head_dim)
+        k = attn.k_proj(h).view(b, t, -1, self.head_dim)
+        v = attn.v_proj(h).view(b, t, -1, self.head_dim)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3 normalises q/k per head before rope
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        q, k = self._rope(q, k, cos, sin)
+        write(k, v)
+        keys, values, mask = read(k, v)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )  # [B, heads, T, hd]
+        return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write_layer, read_layer) -> torch.Tensor:
+        inner = self.model.model
+        h = inner.embed_tokens(ids)  # [B, T, H]
+        cos, sin = inner.rotary_emb(h, pos)
+        for i, layer in enumerate(self.layers):
+            a = self._attend(
+                layer, layer.input_layernorm(h), cos, sin,
+                lambda k, v, i=i: write_layer(i, k, v), lambda k, v, i=i: read_layer(i, k, v),
+            )
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(h)).float()
+
+    def prefill(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        """Compute and store KV for whole sequences; return next-token logits [n, V]."""
+        n, lmax = len(seqs), max(len(s) for s in seqs)
+        dev = self.device
+        ids = torch.zeros((n, lmax), dtype=torch.long, device=dev)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        lens = torch.tensor([len(s) for s in seqs], device=dev)  # [n]
+        pos = torch.arange(lmax, device=dev)[None, :].expand(n, lmax)  # [n, Lp]
+        # Right padding: row i's keys beyond its length are masked out; causal within the row.
+        causal = torch.ones((lmax, lmax), dtype=torch.bool, device=dev).tril()
+        key_ok = pos < lens[:, None]  # [n, Lp]
+        mask = (causal[None] & key_ok[:, None, :])[:, None]  # [n, 1, Lp, Lp]
+        row_idx = torch.tensor(rows, device=dev)
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k_cache[i][row_idx, :, :lmax] = k
+            self.v_cache[i][row_idx, :, :lmax] = v
+
+        h = self._forward(ids, pos, write, lambda i, k, v: (k, v, mask))
+        last = h[torch.arange(n, device=dev), lens - 1]  # [n, H]
+        return self._logits(last)
+
+    def decode(self, tokens: list[int], ctx_lens: list[int]) -> torch.Tensor:
+        """One token for each of rows 0..B-1; row i has ctx_lens[i] cached tokens. Returns [B, V]."""
+        b, dev = len(tokens), self.device
+        ids = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]  # [B, 1]
+        pos = torch.tensor(ctx_lens, dtype=torch.long, device=dev)  # [B]
+        span = max(ctx_lens) + 1
+        ar = torch.arange(b, device=dev)
+        mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,L]
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k_cache[i][ar, :, pos] = k[:, :, 0]
+            self.v_cache[i][ar, :, pos] = v[:, :, 0]
+
+        def read(i: int, k: torch.Tensor, v: torch.Tensor):
+            return self.k_cache[i][:b, :, :span], self.v_cache[i][:b, :, :span], mask
+
+        h = self._forward(ids, pos[:, None], write, read)  # [B, 1, H]
+        return self._logits(h[:, 0])
+
+
+class FallbackRunner:
+    """Any causal LM: no KV cache, the full sequence is recomputed each step (O(n^2), but exact)."""
+
+    def __init__(self, model: Any, num_rows: int, max_len: int) -> None:
+        self.model = model
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.rows: list[list[int]] = [[] for _ in range(num_rows)]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def allocate(self) -> None:
+        self.rows = [[] for _ in range(self.num_rows)]
+
+    def free(self) -> None:
+        self.rows = []
+
+    def kv_bytes(self) -> int:
+        return 0
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.rows[dst] = self.rows[src]
+
+    def _run(self, seqs: list[list[int]]) -> torch.Tensor:
+        n, lmax = len(seqs), max(len(s) for s in seqs)
+        ids = torch.zeros((n, lmax), dtype=torch.long, device=self.device)
+        att = torch.zeros((n, lmax), dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            att[i, : len(s)] = 1
+        logits = self.model(input_ids=ids, attention_mask=att).logits  # [n, Lp, V]
+        last = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
+        return logits[torch.arange(n, device=self.device), last].float()
+
+    def prefill(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        for r, s in zip(rows, seqs, strict=True):
+            self.rows[r] = list(s)
+        return self._run(seqs)
+
+    def decode(self, tokens: list[int], ctx_lens: list[int]) -> torch.Tensor:
+        for r, t in enumerate(tokens):
+            self.rows[r].append(t)
+        return self._run(self.rows[: len(tokens)])

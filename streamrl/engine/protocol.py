@@ -1,0 +1,165 @@
+"""The engine contract: what every generation engine (embedded TorchEngine, SGLang, a remote server)
+promises the rest of streamrl.
+
+Names, defaults and result shapes follow SGLang's native API (`/generate`), so that the same rollout
+code drives an embedded engine, `streamrl serve`, or a real SGLang server. This module owns the request
+and result types; it knows nothing about torch, HTTP or Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+FinishType = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "in_place", "retract"]
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve; HTTP front-ends map it to 400."""
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's sampling parameters (same names, defaults and ranges)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # < 1e-6 means greedy, as in SGLang
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # Accepted for SGLang compatibility; streamrl's engine does not apply penalties and rejects
+    # non-default values rather than silently ignoring them.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-6
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise EngineError naming the first out-of-range field."""
+        checks: list[tuple[bool, str]] = [
+            (self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 or >= 1, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.frequency_penalty == 0, "frequency_penalty is not supported by TorchEngine"),
+            (self.presence_penalty == 0, "presence_penalty is not supported by TorchEngine"),
+            (self.repetition_penalty == 1, "repetition_penalty is not supported by TorchEngine"),
+            (self.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {self.min_new_tokens}"),
+            (self.n == 1, "n > 1 is expanded by the HTTP layer, not the engine"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise EngineError(msg)
+        for t in self.stop_token_ids or []:
+            if not 0 <= t < vocab_size:
+                raise EngineError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        try:
+            return msgspec.convert(d or {}, cls)
+        except msgspec.ValidationError as e:
+            raise EngineError(f"sampling_params: {e}") from None
+
+
+class GenerateChunk(msgspec.Struct, kw_only=True):
+    """Incremental output of one request: the tokens produced since the previous chunk.
+
+    The last chunk of a request has ``finished=True`` and carries the SGLang-shaped ``result``.
+    """
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: str
+    finished: bool = False
+    result: dict[str, Any] | None = None
+
+
+def finish_reason(kind: FinishType, **extra: Any) -> dict[str, Any]:
+    return {"type": kind, **extra}
+
+
+def build_result(
+    *,
+    rid: str,
+    text: str,
+    output_ids: list[int],
+    logprobs: list[float],
+    finish: dict[str, Any],
+    prompt_tokens: int,
+    weight_version: str,
+    weight_versions: list[dict[str, Any]] | None = None,
+    e2e_latency: float = 0.0,
+    cached_tokens: int = 0,
+) -> dict[str, Any]:
+    """The exact shape of SGLang's non-streaming `/generate` response."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": cached_tokens,
+        "weight_version": weight_version,
+        "e2e_latency": e2e_latency,
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, output_ids, strict=True)],
+    }
+    if weight_versions:
+        meta["weight_versions"] = weight_versions
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the rollout manager, the HTTP server and the Ray deployment rely on."""
+
+    @property
+    def weight_version(self) -> str: ...
+
+    def generate_stream(
+        self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerateChunk]: ...
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
+        rid: str | None = None,
+    ) -> dict[str, Any]: ...
+
+    async def abort(self, rid: str) -> bool: ...
+
+    async def abort_all(self) -> int: ...
+
+    async def pause(self, mode: PauseMode = "abort") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None: ...
+
+    async def update_weights_from_state_dict(
+        self, named_tensors: Any, weight_version: str | None = None
+    ) -> None: ...
+
+    async def release_memory(self) -> None: ...
+
+    async def resume_memory(self) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    async def aclose(self) -> None: ...

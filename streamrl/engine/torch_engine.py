@@ -1,0 +1,428 @@
+"""TorchEngine: the embedded generation engine (any local Hugging Face causal LM, CPU or CUDA).
+
+Data path of one request: `generate()` validates it and queues a `Request` → the engine loop asks the
+`Scheduler` for a plan (prefill new requests, or decode every running one) → the `ModelRunner` computes
+logits in a worker thread (so the asyncio loop keeps serving HTTP and control calls) → `sample()` picks
+tokens → the loop appends them, checks stop conditions and delivers chunks / the final SGLang-shaped
+result. Control operations (abort, pause, weight updates, memory release) take the step lock, so they
+apply atomically *between* steps.
+
+The engine knows nothing about Ray, HTTP, rewards or training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .model_runner import FallbackRunner, ModelRunner, supports_fast_path
+from .protocol import EngineError, GenerateChunk, PauseMode, SamplingParams, build_result, finish_reason
+from .sampling import SamplingBatch, sample
+from .scheduler import Plan, Request, Scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class TorchEngine:
+    """Continuous-batching engine with SGLang's request contract. Use as an async context manager."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        max_running_requests: int = 64,
+        max_total_tokens: int | None = None,
+        max_prefill_tokens: int = 8192,
+        max_seq_len: int | None = None,
+        seed: int = 0,
+        weight_version: str = "default",
+        load_tokenizer: bool = True,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = model_path
+        self.device = resolve_device(device)
+        self.dtype = _DTYPES[dtype]
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path) if load_tokenizer else None
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.context_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 2048))
+        self.eos_ids = self._eos_ids()
+        rows = max_running_requests
+        runner_cls = ModelRunner if supports_fast_path(self.model) else FallbackRunner
+        self.runner: ModelRunner | FallbackRunner = runner_cls(self.model, rows, self.context_len)
+        self.scheduler = Scheduler(
+            max_running=rows,
+            max_total_tokens=max_total_tokens or rows * self.context_len,
+            max_prefill_tokens=max(max_prefill_tokens, self.context_len),
+        )
+        self._version = weight_version
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
+        self._step_lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._requests: dict[str, Request] = {}
+        self._released = False
+        self._closed = False
+        self._stats = {"generated_tokens": 0, "num_steps": 0, "num_requests": 0, "busy_s": 0.0}
+        self._tps_window: list[tuple[float, int]] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def __aenter__(self) -> TorchEngine:
+        self._ensure_loop()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _ensure_loop(self) -> None:
+        if self._closed:
+            raise EngineError("engine is closed")
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="torch-engine-loop")
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        await self.abort_all()
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self._executor.shutdown(wait=True)
+
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(eos)
+        return frozenset(ids)
+
+    def _make_request(self, input_ids: Any, params: SamplingParams | dict | None, rid: str | None) -> Request:
+        sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
+        sp.validate(self.vocab_size)
+        if not isinstance(input_ids, list) or not input_ids:
+            raise EngineError("input_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
+            bad = next(t for t in input_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+            raise EngineError(f"input_ids: token {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        n = len(input_ids)
+        if n >= self.context_len:
+            raise EngineError(f"prompt has {n} tokens; the model's context is {self.context_len}")
+        if n + sp.max_new_tokens > self.context_len:
+            raise EngineError(
+                f"prompt ({n}) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "
+                f"{self.context_len}"
+            )
+        if sp.stop and self.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer; use stop_token_ids")
+        rid = rid or uuid.uuid4().hex
+        if rid in self._requests:
+            raise EngineError(f"duplicate request id {rid!r}")
+        stop = set(sp.stop_token_ids or [])
+        if not sp.ignore_eos:
+            stop |= self.eos_ids
+        gen = None
+        if sp.sampling_seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(sp.sampling_seed)
+        return Request(rid=rid, input_ids=list(input_ids), params=sp, stop_ids=frozenset(stop), generator=gen)
+
+    def _submit(self, req: Request, sink: Any) -> None:
+        self._ensure_loop()
+        req.sink = sink
+        self._requests[req.rid] = req
+        self._stats["num_requests"] += 1
+        if req.params.max_new_tokens == 0:
+            self._finish(req, finish_reason("length", length=0))
+            return
+        self.scheduler.add(req)
+        self._wakeup.set()
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams | dict | None = None, rid: str | None = None
+    ) -> dict[str, Any]:
+        req = self._make_request(input_ids, sampling_params, rid)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._submit(req, fut)
+        return await fut
+
+    async def generate_stream(
+        self, input_ids: list[int], sampling_params: SamplingParams | dict | None = None, rid: str | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        req = self._make_request(input_ids, sampling_params, rid)
+        queue: asyncio.Queue[GenerateChunk] = asyncio.Queue()
+        self._submit(req, queue)
+        try:
+            while True:
+                chunk = await queue.get()
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            if not req.finished:  # the consumer went away: free the slot, as SGLang does on disconnect
+                await self.abort(req.rid)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            async with self._step_lock:
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    tokens, logps = await loop.run_in_executor(self._executor, self._execute, plan)
+                except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                    for r in plan.requests:
+                        self._finish(r, finish_reason("abort", message=f"engine error: {e}"), error=e)
+                    continue
+                self._stats["busy_s"] += time.perf_counter() - t0
+                self._stats["num_steps"] += 1
+                self._postprocess(plan, tokens, logps)
+
+    def _execute(self, plan: Plan) -> tuple[list[int], list[float]]:
+        """Runs in the worker thread: tensors only, no engine state changes."""
+        with torch.inference_mode():
+            reqs = plan.requests
+            if plan.kind == "prefill":
+                logits = self.runner.prefill([r.row for r in reqs], [r.seq for r in reqs])  # type: ignore[misc]
+            else:
+                logits = self.runner.decode([r.output_ids[-1] for r in reqs], [r.ctx_len for r in reqs])
+            batch = SamplingBatch(
+                temperatures=[r.params.temperature for r in reqs],
+                top_ps=[r.params.top_p for r in reqs],
+                top_ks=[r.params.top_k for r in reqs],
+                min_ps=[r.params.min_p for r in reqs],
+                generators=[r.generator for r in reqs],
+            )
+            tokens, logps = sample(logits, batch, self._gen)
+            return tokens.tolist(), logps.tolist()
+
+    def _postprocess(self, plan: Plan, tokens: list[int], logps: list[float]) -> None:
+        now = time.monotonic()
+        for r, tok, lp in zip(plan.requests, tokens, logps, strict=True):
+            if r.finished:
+                continue
+            r.needs_prefill = False
+            r.output_ids.append(tok)
+            r.logprobs.append(lp)
+            self._note_version(r, 1)
+            if isinstance(r.sink, asyncio.Queue):
+                r.sink.put_nowait(GenerateChunk(rid=r.rid, token_ids=[tok], logprobs=[lp], weight_version=self._version))
+            n = len(r.output_ids)
+            if tok in r.stop_ids and n > r.params.min_new_tokens:
+                self._finish(r, finish_reason("stop", matched=tok))
+            elif n >= r.params.max_new_tokens:
+                self._finish(r, finish_reason("length", length=n))
+            elif r.params.stop and self._hit_stop_string(r):
+                pass
+        self._stats["generated_tokens"] += len(tokens)
+        self._tps_window.append((now, len(tokens)))
+        if len(self._tps_window) > 256:
+            del self._tps_window[:128]
+
+    def _hit_stop_string(self, r: Request) -> bool:
+        stops = [r.params.stop] if isinstance(r.params.stop, str) else list(r.params.stop or [])
+        assert self.tokenizer is not None
+        tail = self.tokenizer.decode(r.output_ids[-32:], skip_special_tokens=r.params.skip_special_tokens)
+        for s in stops:
+            if s and s in tail:
+                self._finish(r, finish_reason("stop", matched=s))
+                return True
+        return False
+
+    def _note_version(self, r: Request, n: int) -> None:
+        spans = r.version_spans
+        end = len(r.output_ids)
+        if spans and spans[-1]["version"] == self._version:
+            spans[-1]["end"] = end
+        else:
+            spans.append({"version": self._version, "start": end - n, "end": end})
+
+    def _finish(self, r: Request, finish: dict[str, Any], error: Exception | None = None) -> None:
+        if r.finished:
+            return
+        r.finished = True
+        moved = self.scheduler.remove(r)
+        if moved is not None:
+            self.runner.move_row(*moved)
+        self._requests.pop(r.rid, None)
+        text = ""
+        if self.tokenizer is not None and r.output_ids:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
+        result = build_result(
+            rid=r.rid, text=text, output_ids=r.output_ids, logprobs=r.logprobs, finish=finish,
+            prompt_tokens=len(r.input_ids), weight_version=self._version,
+            weight_versions=r.version_spans if len(r.version_spans) > 1 else None,
+            e2e_latency=time.monotonic() - r.created,
+        )
+        if isinstance(r.sink, asyncio.Future):
+            if not r.sink.done():
+                r.sink.set_result(result)
+        elif isinstance(r.sink, asyncio.Queue):
+            r.sink.put_nowait(
+                GenerateChunk(rid=r.rid, token_ids=[], logprobs=[], weight_version=self._version,
+                              finished=True, result=result)
+            )
+
+    # ---- control plane ---------------------------------------------------------------------------
+    def _abort_now(self, r: Request, message: str = "Aborted") -> None:
+        msg = message if r.row is not None else "Abort in waiting queue"
+        self._finish(r, finish_reason("abort", message=msg, status_code=200, err_type=None))
+
+    async def abort(self, rid: str) -> bool:
+        """End one request now; it returns everything generated so far. Unknown rid: no-op, False."""
+        async with self._step_lock:
+            r = self._requests.get(rid)
+            if r is None:
+                return False
+            self._abort_now(r)
+            return True
+
+    async def abort_all(self) -> int:
+        async with self._step_lock:
+            reqs = self.scheduler.all_requests()
+            for r in reqs:
+                self._abort_now(r)
+            return len(reqs)
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """`abort`: end every in-flight request with its partial output. `in_place`/`retract`: freeze
+        them and continue later without loss. Either way, new requests wait until `resume()`."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise EngineError(f"pause mode must be abort, in_place or retract, got {mode!r}")
+        async with self._step_lock:
+            self.scheduler.paused = True
+            if mode == "abort":
+                for r in self.scheduler.all_requests():
+                    self._abort_now(r)
+
+    async def resume(self) -> None:
+        self.scheduler.paused = False
+        self._wakeup.set()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.scheduler.paused
+
+    async def update_weights_from_state_dict(self, named_tensors: Any, weight_version: str | None = None) -> None:
+        """Load new weights between two steps. Running requests keep their tokens; their KV is
+        recomputed with the new weights before they decode again (no stale keys/values)."""
+        tensors = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        loop = asyncio.get_running_loop()
+        async with self._step_lock:
+            await loop.run_in_executor(self._executor, self._load_tensors, tensors)
+            self._version = str(weight_version) if weight_version is not None else self._bump(self._version)
+            self.scheduler.flush()
+        self._wakeup.set()
+
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise EngineError(f"update_weights_from_disk: no *.safetensors files in {path!r}")
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(f))
+        await self.update_weights_from_state_dict(tensors, weight_version)
+
+    @staticmethod
+    def _bump(version: str) -> str:
+        return str(int(version) + 1) if version.isdigit() else "1"
+
+    def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        # state_dict (not named_parameters) so tied weights are addressable under both names.
+        params = self.model.state_dict(keep_vars=True)
+        unknown = [k for k in tensors if k not in params]
+        if unknown:
+            raise EngineError(f"update_weights: unknown parameter(s) {unknown[:3]}")
+        bad = [k for k, v in tensors.items() if tuple(v.shape) != tuple(params[k].shape)]
+        if bad:
+            raise EngineError(
+                f"update_weights: shape mismatch for {bad[0]}: {tuple(tensors[bad[0]].shape)} vs "
+                f"{tuple(params[bad[0]].shape)}"
+            )
+        # Validate everything first so that a bad update changes nothing.
+        with torch.no_grad():
+            for k, v in tensors.items():
+                params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
+
+    async def release_memory(self) -> None:
+        """Free the KV cache and move weights off the accelerator (colocated training)."""
+        async with self._step_lock:
+            if self.scheduler.num_running or self.scheduler.num_waiting:
+                raise EngineError("release_memory: requests are in flight; pause(mode='abort') first")
+            self.runner.free()
+            if self.device != "cpu":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+            self._released = True
+            self.scheduler.paused = True
+
+    async def resume_memory(self) -> None:
+        async with self._step_lock:
+            if self._released:
+                self.model.to(self.device)
+                self.runner.allocate()
+                self._released = False
+                self.scheduler.paused = False
+        self._wakeup.set()
+
+    async def flush_cache(self) -> bool:
+        """No prefix cache is kept across requests, so there is nothing to drop; SGLang refuses while
+        requests run, and so do we."""
+        return not (self.scheduler.num_running or self.scheduler.num_waiting)
+
+    async def health(self) -> bool:
+        return not self._closed and (self._loop_task is None or not self._loop_task.done())
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._tps_window if now - t < 5.0]
+        span = now - recent[0][0] if len(recent) > 1 else 0.0
+        tps = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "paused": self.scheduler.paused,
+            "weight_version": self._version,
+            "tokens_per_s": tps,
+            "kv_cache_bytes": self.runner.kv_bytes(),
+            "fast_path": isinstance(self.runner, ModelRunner),
+            **self._stats,
+        }

@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny model folder built once per test session (offline, ~1 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamrl.tasks.tiny_model import build_tiny_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def engine_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with a wide initialisation: peaked, varied next-token distributions, so greedy
+    comparisons are not decided by float noise between near-equal logits."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("models") / "engine", preset="tiny", seed=0, initializer_range=0.5
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture, other weights: for weight-update tests."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("models") / "engine_b", preset="tiny", seed=1, initializer_range=0.5
+    )

@@ -1,0 +1,233 @@
+"""Config: defaults, YAML + --set overrides, one-line errors that name the key, dump round-trip."""
+
+from pathlib import Path
+
+import pytest
+
+from streamrl.config import Config, ConfigError, describe_config, dump_config, load_config
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def error_of(path: str | None, overrides: list[str] = ()) -> str:  # type: ignore[assignment]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("config error: ")
+    return msg
+
+
+def test_defaults_load() -> None:
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.run_dir == "runs/quickstart" and cfg.seed == 0
+    assert cfg.model.init == "tiny"
+    assert cfg.data.task == "addition" and cfg.data.path is None
+    assert cfg.engines.pool == "local" and cfg.engines.urls == []
+    assert cfg.rollout.group_size == 8 and cfg.trainer.lr == 3e-5
+    assert cfg.buffer.priority == "oldest_version" and cfg.controller.max_staleness == 0
+
+
+def test_empty_file_and_empty_section_are_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == Config()
+    assert load_config(write(tmp_path, "# nothing\nrollout:\n", "b.yaml")) == Config()
+
+
+def test_yaml_and_overrides(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    path = write(
+        tmp_path,
+        f"run_dir: {tmp_path}/run\nmodel:\n  path: {model}\n  init: none\n"
+        "rollout:\n  temperature: 0.5\n  group_size: 4\ntrainer:\n  lr: 1e-4\n  steps: 3\n",
+    )
+    cfg = load_config(
+        path,
+        [
+            "rollout.temperature=0.7",
+            "engines.pool=http",
+            "engines.urls=[http://a:8000,http://b:8000]",
+            "data.reward=null",
+            "controller.max_staleness=2",
+            "model.init_seed=7",
+        ],
+    )
+    assert cfg.model.path == str(model) and cfg.model.init == "none" and cfg.model.init_seed == 7
+    assert cfg.rollout.temperature == 0.7 and cfg.rollout.group_size == 4
+    assert cfg.trainer.lr == 1e-4 and isinstance(cfg.trainer.lr, float)  # YAML 1.1 reads 1e-4 as a string
+    assert cfg.engines.urls == ["http://a:8000", "http://b:8000"]
+    assert cfg.data.reward is None and cfg.controller.max_staleness == 2
+
+
+def test_override_conveniences() -> None:
+    cfg = load_config(None, ["run_dir=123", "engines.pool=http", "engines.urls=http://a"])
+    assert cfg.run_dir == "123"  # a string field takes the text as written
+    assert cfg.engines.urls == ["http://a"]  # a lone value for a list field is a one-item list
+    assert load_config(None, ["trainer.lr=1"]).trainer.lr == 1.0
+
+
+def test_data_path(tmp_path: Path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = load_config(None, ["data.task=null", f"data.path={data}", "data.reward=my_pkg.rewards:score"])
+    assert cfg.data.path == str(data) and cfg.data.reward == "my_pkg.rewards:score"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["engines.pol=http"], "config error: engines.pol: unknown key (did you mean engines.pool?)"),
+        (
+            ["trainer.temperature=1"],
+            "config error: trainer.temperature: unknown key (did you mean rollout.temperature?)",
+        ),
+        (["modle.path=x"], "config error: modle: unknown key (did you mean model?)"),
+        (["trainer.steps=abc"], "config error: trainer.steps: expected int, got 'abc'"),
+        (["trainer.steps=0"], "config error: trainer.steps: expected int >= 1, got 0"),
+        (["trainer.batch_groups=0"], "config error: trainer.batch_groups: expected int >= 1, got 0"),
+        (
+            ["controller.max_staleness=-1"],
+            "config error: controller.max_staleness: expected int >= 0, got -1",
+        ),
+        (
+            ["controller.max_offpolicy_fraction=1.5"],
+            "config error: controller.max_offpolicy_fraction: expected float <= 1.0, got 1.5",
+        ),
+        (["rollout.top_p=0"], "config error: rollout.top_p: expected float > 0.0, got 0"),
+        (
+            ["engines.pool=grpc"],
+            "config error: engines.pool: expected one of 'local', 'ray_serve', 'http', got 'grpc'",
+        ),
+        (
+            ["trainer.loss=ppo"],
+            "config error: trainer.loss: expected one of 'grpo', 'decoupled_ppo', 'tis', got 'ppo'",
+        ),
+        (
+            ["data.reward=not_a_spec"],
+            "config error: data.reward: expected 'module:function', got 'not_a_spec'",
+        ),
+        (
+            ["engines.pool=http"],
+            "config error: engines.urls: pool 'http' needs at least one server URL, got []",
+        ),
+        (
+            ["engines.pool=http", "engines.urls=[ftp://x]"],
+            "config error: engines.urls[0]: expected an http:// or https:// URL, got 'ftp://x'",
+        ),
+        (["engines.urls=[1]"], "config error: engines.urls[0]: expected str, got 1"),
+        (
+            ["data.path=p.jsonl"],
+            "config error: data.path: data.task and data.path are both set; set exactly one (e.g. data.task=null)",
+        ),
+        (
+            ["data.task=null"],
+            "config error: data.task: neither data.task nor data.path is set; set exactly one",
+        ),
+        (["data.task=additon"], "config error: data.task: unknown task 'additon' (did you mean addition?)"),
+        (
+            ["data.task=null", "data.path=missing.jsonl"],
+            "config error: data.path: file 'missing.jsonl' does not exist",
+        ),
+        (
+            ["engines.max_total_tokens=4", "rollout.max_new_tokens=8"],
+            "config error: engines.max_total_tokens: must be >= rollout.max_new_tokens (8), got 4",
+        ),
+        (
+            ["buffer.capacity=2"],
+            "config error: buffer.capacity: must be >= trainer.batch_groups (8) or no batch can fill, got 2",
+        ),
+        (["trainer=5"], "config error: trainer: expected a mapping of trainer settings, got 5"),
+        (
+            ["trainer.steps.x=1"],
+            "config error: trainer.steps: is a value, not a section; cannot set trainer.steps.x",
+        ),
+        (["oops"], "config error: --set oops: expected key=value, e.g. --set rollout.temperature=0.7"),
+        (["warm_start.enabled=maybe"], "config error: warm_start.enabled: expected bool, got 'maybe'"),
+        (
+            ["trainer.behav_imp_weight_cap=-1"],
+            "config error: trainer.behav_imp_weight_cap: expected float > 0.0, got -1",
+        ),
+    ],
+)
+def test_override_errors(overrides: list[str], expected: str) -> None:
+    assert error_of(None, overrides) == expected
+
+
+def test_missing_model_folder(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    msg = error_of(None, ["model.init=none", f"model.path={missing}"])
+    assert msg.startswith(f"config error: model.path: folder '{missing}' does not exist")
+    # init=tiny builds it, so a missing folder is fine; check_paths=False skips the filesystem entirely
+    assert load_config(None, [f"model.path={missing}"]).model.path == str(missing)
+    assert (
+        load_config(None, ["model.init=none", f"model.path={missing}"], check_paths=False).model.init
+        == "none"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("engines:\n  pol: http\n", "config error: engines.pol: unknown key (did you mean engines.pool?)"),
+        ("rollout:\n  temperature: hot\n", "config error: rollout.temperature: expected float, got 'hot'"),
+        ("trainer:\n  batch_groups: 0\n", "config error: trainer.batch_groups: expected int >= 1, got 0"),
+        ("trainer:\n  steps: 1.5\n", "config error: trainer.steps: expected int, got 1.5"),
+        (
+            "model:\n  dtype: fp8\n",
+            "config error: model.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'fp8'",
+        ),
+        (
+            "warm_start:\n  label_noise: 2\n",
+            "config error: warm_start.label_noise: expected float <= 1.0, got 2",
+        ),
+        ("- a\n- b\n", "expected a mapping of sections at top level, got list"),
+    ],
+)
+def test_file_errors(tmp_path: Path, text: str, expected: str) -> None:
+    assert error_of(write(tmp_path, text)).endswith(expected)
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "trainer:\n  steps: 3\n  lr: [1, 2\nrollout: {}\n")
+    msg = error_of(path)
+    assert msg.startswith(f"config error: {path}: invalid YAML at line ")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "absent.yaml")
+    assert error_of(path) == f"config error: {path}: no such file"
+
+
+def test_dump_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        ["engines.pool=http", "engines.urls=[http://a:1]", "trainer.lr=2e-5", "buffer.capacity=16", "seed=3"],
+    )
+    text = dump_config(cfg)
+    assert load_config(write(tmp_path, text)) == cfg
+    assert load_config(write(tmp_path, dump_config(Config()), "d.yaml")) == Config()
+
+
+def test_describe_lists_every_key() -> None:
+    text = describe_config()
+    assert "trainer.steps: int = 100  # optimizer steps [>= 1]" in text
+    assert 'engines.pool: "local"|"ray_serve"|"http" = "local"' in text
+    assert "engines.max_total_tokens: int | null = null" in text
+    keys = [line.split(":", 1)[0] for line in text.splitlines() if line and not line.startswith("#")]
+    for key in (
+        "run_dir",
+        "seed",
+        "model.path",
+        "warm_start.label_noise",
+        "data.reward",
+        "rollout.partial",
+        "controller.stale_policy",
+        "buffer.capacity",
+        "trainer.save_every",
+    ):
+        assert key in keys
+    assert all("  # " in line for line in text.splitlines() if line and not line.startswith("#"))
