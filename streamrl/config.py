@@ -90,6 +90,7 @@ class EnginesConfig(_Section):
     backend: Annotated[Literal["sglang", "vllm"], _d("server flavour for pool=http / ray_serve")] = "sglang"
     cpus_per_replica: Annotated[float, _d("CPUs reserved per Ray replica", ge=0)] = 1.0
     gpus_per_replica: Annotated[float, _d("GPUs reserved per Ray replica", ge=0)] = 0.0
+    threads: Annotated[int, _d("torch CPU threads per embedded engine", ge=1)] = 1
 
 
 class RolloutConfig(_Section):
@@ -132,6 +133,7 @@ class TrainerConfig(_Section):
     device: Annotated[Device, _d("trainer device; auto = cuda if available")] = "auto"
     eval_every: Annotated[int, _d("evaluate every N steps; 0 = never", ge=0)] = 0
     save_every: Annotated[int, _d("checkpoint every N steps; 0 = only at the end", ge=0)] = 0
+    threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

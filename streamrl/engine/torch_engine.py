@@ -54,6 +54,7 @@ class TorchEngine:
         seed: int = 0,
         weight_version: str = "default",
         load_tokenizer: bool = True,
+        num_threads: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -77,7 +78,10 @@ class TorchEngine:
         )
         self._version = weight_version
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
+        # torch's intra-op thread count is per calling thread: set it in the worker that computes, so an
+        # engine and a trainer in one process can split the cores instead of oversubscribing them.
+        init = (lambda: torch.set_num_threads(num_threads)) if num_threads else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine", initializer=init)
         self._step_lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None

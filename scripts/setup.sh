@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs streamrl and everything it needs into .venv (idempotent; a no-op when up to date).
+# On a CPU machine the pinned torch==2.13.0 CPU wheel goes in first, so no multi-GB CUDA build is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=".venv/.streamrl-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      .venv/bin/pip install --quiet "torch>=2.6,<2.15"
+    else
+      .venv/bin/pip install --quiet torch==2.13.0
+    fi
+  fi
+  .venv/bin/pip install --quiet -e ".[dev]"
+  rm -f .venv/.streamrl-installed-*
+  touch "$stamp"
+fi

@@ -1,0 +1,133 @@
+"""The off-policy ratio controller: how stale may a sample be, and what happens when it is too stale.
+
+Three decisions, all pure logic (no torch, no engines):
+1. *Admission* (AReaL's rule): with trainer version v, batch size B (groups) and max staleness η, a new
+   group may start only while ``started_groups < (η + v + 1) * B``. Each batch the trainer consumes
+   was therefore started at most η versions before it is trained on. η = 0 is synchronous RL: the
+   engines produce exactly the next batch, then wait for the new weights.
+2. *Acceptance* at batch time: a group whose oldest trainable token is more than η versions behind is
+   `drop`ped (counted, its tokens reported as discarded) or `keep`t (trained with importance correction).
+3. *Composition*: at most ``max_offpolicy_fraction`` of a batch's groups may contain tokens from older
+   versions; the excess goes back to the buffer to wait for a later batch.
+Every decision is counted so the run can log it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+from ..types import Group
+
+
+@dataclass
+class ControllerStats:
+    admitted: int = 0
+    dropped_stale: int = 0
+    dropped_tokens: int = 0
+    kept_stale: int = 0
+    deferred_offpolicy: int = 0
+    decisions: list[str] = field(default_factory=list)  # human-readable log, drained per step
+
+    def note(self, msg: str) -> None:
+        self.decisions.append(msg)
+        if len(self.decisions) > 200:
+            del self.decisions[:100]
+
+
+class StalenessController:
+    def __init__(
+        self,
+        *,
+        batch_groups: int,
+        max_staleness: int = 0,
+        max_offpolicy_fraction: float = 1.0,
+        stale_policy: str = "drop",
+        max_concurrent_groups: int | None = None,
+    ) -> None:
+        if stale_policy not in ("drop", "keep"):
+            raise ValueError(f"stale_policy must be drop or keep, got {stale_policy!r}")
+        self.batch_groups = batch_groups
+        self.max_staleness = max_staleness
+        self.max_offpolicy_fraction = max_offpolicy_fraction
+        self.stale_policy = stale_policy
+        self.max_concurrent_groups = max_concurrent_groups
+        self.version = 0
+        self.started = 0  # groups ever admitted (AReaL's accepted + running)
+        self.running = 0
+        self.returned = 0  # groups dropped after admission: their slot is given back
+        self.stats = ControllerStats()
+        self._changed = asyncio.Condition()
+
+    # ---- admission -------------------------------------------------------------------------------
+    def capacity(self) -> int:
+        """How many more groups may start now."""
+        limit = (self.max_staleness + self.version + 1) * self.batch_groups
+        free = limit - (self.started - self.returned)
+        if self.max_concurrent_groups is not None:
+            free = min(free, self.max_concurrent_groups - self.running)
+        return max(0, free)
+
+    async def acquire(self) -> int:
+        """Wait for room for one group; returns the version at admission."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.capacity() > 0)
+            self.started += 1
+            self.running += 1
+            self.stats.admitted += 1
+            return self.version
+
+    async def release(self, *, returned: bool = False) -> None:
+        """A group finished generating (returned=True: it was thrown away and its slot is free again)."""
+        async with self._changed:
+            self.running -= 1
+            if returned:
+                self.returned += 1
+            self._changed.notify_all()
+
+    async def set_version(self, version: int) -> None:
+        async with self._changed:
+            self.version = version
+            self._changed.notify_all()
+
+    # ---- acceptance and composition --------------------------------------------------------------
+    def staleness(self, group: Group) -> int:
+        return self.version - group.oldest_version()
+
+    def accept(self, group: Group) -> bool:
+        """Filter for the buffer: False removes the group (policy `drop`)."""
+        s = self.staleness(group)
+        if s <= self.max_staleness:
+            return True
+        if self.stale_policy == "keep":
+            self.stats.kept_stale += 1
+            self.stats.note(f"keep {group.group_id}: staleness {s} > {self.max_staleness}")
+            return True
+        self.stats.dropped_stale += 1
+        self.stats.dropped_tokens += group.num_tokens
+        self.stats.note(f"drop {group.group_id}: staleness {s} > {self.max_staleness}")
+        self.returned += 1  # its admission slot is reusable: the batch it was meant for needs a substitute
+        return False
+
+    def compose(self, groups: list[Group]) -> tuple[list[Group], list[Group]]:
+        """Split a candidate batch into (train now, put back) by the off-policy fraction."""
+        if self.max_offpolicy_fraction >= 1.0:
+            return groups, []
+        allowed = math.floor(self.max_offpolicy_fraction * len(groups))
+        batch, back, offp = [], [], 0
+        for g in groups:
+            if self.staleness(g) > 0:
+                if offp >= allowed:
+                    back.append(g)
+                    continue
+                offp += 1
+            batch.append(g)
+        if back:
+            self.stats.deferred_offpolicy += len(back)
+            self.stats.note(f"defer {len(back)} off-policy groups (fraction cap {self.max_offpolicy_fraction})")
+        return batch, back
+
+    def drain_decisions(self) -> list[str]:
+        out, self.stats.decisions = self.stats.decisions, []
+        return out

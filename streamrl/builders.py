@@ -1,0 +1,85 @@
+"""Turn a validated `Config` into components: model folder, task data, reward, engine pool, trainer.
+
+Each builder reads only its own config section. Nothing here runs a training step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError
+from .engine import TorchEngine
+from .engine.torch_engine import resolve_device
+from .rollout.pools import EnginePool, LocalPool
+
+
+@dataclass
+class TaskData:
+    train: list[dict[str, Any]]
+    held_out: list[dict[str, Any]]
+    reward_fn: Any
+
+
+def prepare_model(cfg: Config, log: Any = print) -> tuple[str, dict[str, Any]]:
+    """The policy's starting folder: build the tiny model if asked, then the (cached) warm start."""
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        if cfg.model.init != "tiny":
+            raise ConfigError("model.path", f"folder '{path}' has no config.json")
+        from .tasks import build_tiny_model
+
+        log(f"building tiny model at {path}")
+        build_tiny_model(path, preset="tiny", seed=cfg.model.init_seed)
+    info: dict[str, Any] = {}
+    if not cfg.warm_start.enabled:
+        return str(path), info
+    from .trainer.sft import MARKER, cached_warm_start, load_warm_start_metrics, warm_start_key
+
+    ws = cfg.warm_start
+    recipe = dict(steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, label_noise=ws.label_noise, seed=cfg.seed)
+    target = Path(ws.cache_dir) / f"warm-{warm_start_key(path, **recipe)}"
+    cached = (target / MARKER).is_file()
+    log("warm start: reusing cache " + str(target) if cached else f"warm start: {ws.steps} supervised steps")
+    out = cached_warm_start(path, ws.cache_dir, **recipe)
+    info = load_warm_start_metrics(out)
+    info["cached"] = cached
+    return str(out), info
+
+
+def load_task(cfg: Config) -> TaskData:
+    from .tasks import addition, load_prompts, load_reward_fn
+
+    d = cfg.data
+    if d.task == "addition":
+        train = addition.addition_prompts("train", seed=cfg.seed)
+        held = addition.addition_prompts("held_out", seed=cfg.seed)
+        reward = addition.reward
+    else:
+        assert d.path is not None  # validate() guarantees exactly one of task / path
+        records = load_prompts(d.path, d.prompt_key, d.answer_key)
+        n_eval = min(d.eval_size, len(records) // 5)
+        train, held = records[n_eval:], records[:n_eval]
+        reward = addition.reward
+    if d.reward:
+        try:
+            reward = load_reward_fn(d.reward)
+        except (ValueError, ImportError) as e:
+            raise ConfigError("data.reward", str(e)) from None
+    return TaskData(train=train, held_out=held[: d.eval_size], reward_fn=reward)
+
+
+def build_pool(cfg: Config, model_dir: str) -> EnginePool:
+    e = cfg.engines
+    if e.pool == "local":
+        engines = [
+            TorchEngine(
+                model_dir, device=resolve_device(cfg.model.device), dtype=cfg.model.dtype,
+                max_running_requests=e.max_running_requests, max_total_tokens=e.max_total_tokens,
+                seed=cfg.seed + i, weight_version="0", num_threads=e.threads,
+            )
+            for i in range(e.num_replicas)
+        ]
+        return LocalPool(engines)
+    raise ConfigError("engines.pool", f"pool '{e.pool}' is not available in this build (use local)")

@@ -1,0 +1,153 @@
+"""The `streamrl` command: run | init-model | config | generate.
+
+Configuration errors print one line (`config error: <key>: <problem>`) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.set or [])
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    from .run import run
+
+    try:
+        summary = _run_async(run(cfg, show_progress=not args.no_progress and sys.stderr.isatty()))
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    _print_summary(summary)
+    return 0
+
+
+def _run_async(coro):  # noqa: ANN001, ANN202
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def _print_summary(s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"streamrl run: {s['run_dir']}")
+    t.add_column("")
+    t.add_column("before RL")
+    t.add_column("after RL")
+    for k in ("greedy", "sampled"):
+        t.add_row(f"held-out accuracy ({k})", f"{s['eval_before'][k]:.3f}", f"{s['eval_after'][k]:.3f}")
+    Console().print(t)
+    print(
+        f"{s['steps']} steps, {s['samples']} samples in {s['train_wall_s']:.1f} s of training "
+        f"({s['total_wall_s']:.1f} s total); metrics: {s['run_dir']}/metrics.jsonl; weights: {s['final_model']}"
+    )
+
+
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    from .tasks import build_tiny_model, count_parameters
+
+    path = build_tiny_model(args.dir, preset=args.preset, seed=args.seed, arch=args.arch)
+    from transformers import AutoModelForCausalLM
+
+    n = count_parameters(AutoModelForCausalLM.from_pretrained(path))
+    print(f"wrote {args.preset} {args.arch} model ({n / 1e6:.2f} M parameters) to {path}")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from .config import ConfigError, describe_config, load_config
+
+    try:
+        cfg = load_config(args.config, args.set or [], check_paths=False) if args.config or args.set else None
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    print(describe_config(cfg))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    """A small generation demo: prompts through the embedded engine, concurrently."""
+    from .engine import EngineError, TorchEngine
+
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"error: --model: '{args.model}' is not a model folder (try `streamrl init-model DIR`)", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        async with TorchEngine(args.model, device=args.device) as eng:
+            tok = eng.tokenizer
+            assert tok is not None
+            ids = [[tok.bos_token_id, *tok(p, add_special_tokens=False)["input_ids"]] for p in args.prompt]
+            params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+            results = await asyncio.gather(*[eng.generate(i, params) for i in ids])
+            for p, r in zip(args.prompt, results, strict=True):
+                print(f"{p!r} -> {r['text']!r}  ({r['meta_info']['finish_reason']['type']})")
+
+    try:
+        asyncio.run(main())
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="streamrl", description="Asynchronous, streaming RL for LLMs.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="train: rollouts -> buffer -> trainer -> new weights",
+                       description="Train from a YAML config. `streamrl config` lists every key.")
+    p.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. trainer.steps=50")
+    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.set_defaults(fn=_cmd_run)
+
+    p = sub.add_parser("init-model", help="write a tiny random HF model folder (offline)")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", help="tiny (~1 M) | small (~4 M) | bench100m (~85 M)")
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_cmd_init_model)
+
+    p = sub.add_parser("config", help="list every config key with its type, default and meaning")
+    p.add_argument("config", nargs="?", help="show this file's values instead of the defaults")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE")
+    p.set_defaults(fn=_cmd_config)
+
+    p = sub.add_parser("generate", help="generate with the embedded engine (demo)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", action="append", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(fn=_cmd_generate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

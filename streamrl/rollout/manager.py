@@ -1,0 +1,211 @@
+"""RolloutManager: prompts in, scored groups out, into the buffer, while the trainer works.
+
+One group = `group_size` samples of one prompt, generated concurrently through the pool. Admission is
+the controller's (staleness); routing is the pool's. When a weight update interrupts generation
+(pool paused with mode abort), every in-flight sample comes back with its partial tokens and
+logprobs; the manager parks it in the buffer's partial area (so a checkpoint includes it), waits for
+the pool to resume, and resubmits prompt + partial response with the remaining token budget. The new
+tokens carry the new weight version. With `partial="discard"` the partial tokens are thrown away and
+the sample restarts (for comparison).
+
+The manager knows nothing about torch or the trainer: it sees token ids, logprobs, versions and rewards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..buffer import RolloutBuffer
+from ..buffer.controller import StalenessController
+from ..types import Group, Sample
+from .pools import EnginePool
+
+
+@dataclass(kw_only=True)
+class RolloutSettings:
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    partial: str = "resume"  # resume | discard
+
+
+@dataclass
+class RolloutCounters:
+    groups_done: int = 0
+    samples_done: int = 0
+    tokens_generated: int = 0
+    tokens_discarded: int = 0
+    partial_resumed: int = 0
+    failed: int = 0
+
+
+RewardFn = Callable[[str, str], Any]
+
+
+class RolloutManager:
+    def __init__(
+        self,
+        *,
+        pool: EnginePool,
+        tokenizer: Any,
+        prompts: list[dict[str, Any]],
+        reward_fn: RewardFn,
+        buffer: RolloutBuffer,
+        controller: StalenessController,
+        settings: RolloutSettings,
+        seed: int = 0,
+    ) -> None:
+        if not prompts:
+            raise ValueError("RolloutManager needs at least one prompt")
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.reward_fn = reward_fn
+        self.buffer = buffer
+        self.controller = controller
+        self.settings = settings
+        self.counters = RolloutCounters()
+        self._rng = random.Random(seed)
+        self._order = self._prompt_stream()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._seed_counter = itertools.count(seed * 1_000_003)
+
+    def _prompt_stream(self) -> Iterator[dict[str, Any]]:
+        """Endless shuffled epochs over the prompts."""
+        while True:
+            order = list(range(len(self.prompts)))
+            self._rng.shuffle(order)
+            for i in order:
+                yield self.prompts[i]
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        bos = self.tokenizer.bos_token_id
+        return [bos, *ids] if bos is not None else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- the producer loop -----------------------------------------------------------------------
+    async def run(self) -> None:
+        """Admit and launch groups until `stop()`; each finished group goes into the buffer."""
+        try:
+            while not self._stopping:
+                version = await self.controller.acquire()
+                if self._stopping:
+                    await self.controller.release(returned=True)
+                    break
+                record = next(self._order)
+                task = asyncio.create_task(self._run_group(record, version))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        except asyncio.CancelledError:
+            pass
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def num_running_groups(self) -> int:
+        return len(self._tasks)
+
+    async def _run_group(self, record: dict[str, Any], version: int) -> None:
+        gid = uuid.uuid4().hex[:12]
+        prompt_ids = self.encode(record["prompt"])
+        samples = [
+            Sample(group_id=gid, index=i, prompt_ids=prompt_ids, prompt_text=record["prompt"],
+                   meta={"answer": record.get("answer", "")})
+            for i in range(self.settings.group_size)
+        ]
+        t0 = time.monotonic()
+        try:
+            await asyncio.gather(*[self._generate(s) for s in samples])
+            await asyncio.gather(*[self._score(s) for s in samples])
+        except asyncio.CancelledError:
+            await self.controller.release(returned=True)
+            raise
+        except Exception:  # noqa: BLE001 - a failed group is counted and its slot given back
+            self.counters.failed += 1
+            await self.controller.release(returned=True)
+            return
+        for s in samples:
+            s.timings["group_s"] = time.monotonic() - t0
+        group = Group(group_id=gid, samples=samples, admitted_version=version, meta=dict(record))
+        self.counters.groups_done += 1
+        self.counters.samples_done += len(samples)
+        await self.buffer.put(group)
+        await self.controller.release()
+
+    async def _generate(self, s: Sample) -> None:
+        st = self.settings
+        while True:
+            remaining = st.max_new_tokens - s.num_tokens
+            params = {
+                "max_new_tokens": remaining, "temperature": st.temperature, "top_p": st.top_p,
+                "top_k": st.top_k, "sampling_seed": next(self._seed_counter),
+            }
+            rid = f"{s.group_id}-{s.index}-{s.num_resumes}"
+            res = await self.pool.generate(s.prompt_ids + s.response_ids, params, rid)
+            self._append(s, res)
+            finish = res["meta_info"]["finish_reason"]
+            if finish["type"] != "abort":
+                s.finish_reason = finish["type"]
+                s.status = "completed" if finish["type"] == "stop" else "truncated"
+                return
+            # Interrupted (weight update or a lost replica): keep or drop what we have, then resume.
+            s.status = "partial"
+            if st.partial == "discard" and s.num_tokens:
+                self.counters.tokens_discarded += s.num_tokens
+                s.response_ids, s.logprobs, s.versions, s.loss_mask = [], [], [], []
+            self.buffer.park_partial(s)
+            await self.pool.wait_resumed()
+            self._unpark(s)
+            s.num_resumes += 1
+            self.counters.partial_resumed += 1
+            if s.num_tokens >= st.max_new_tokens:
+                s.status, s.finish_reason = "truncated", "length"
+                return
+
+    def _unpark(self, s: Sample) -> None:
+        parked = self.buffer.take_partials()
+        for other in parked:
+            if other is not s:
+                self.buffer.park_partial(other)
+
+    def _append(self, s: Sample, res: dict[str, Any]) -> None:
+        meta = res["meta_info"]
+        ids = res["output_ids"]
+        lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
+        spans = meta.get("weight_versions") or [{"version": meta["weight_version"], "start": 0, "end": len(ids)}]
+        for span in spans:
+            a, b = span["start"], span["end"]
+            s.append(ids[a:b], lps[a:b], _as_version(span["version"]))
+        self.counters.tokens_generated += len(ids)
+
+    async def _score(self, s: Sample) -> None:
+        s.response_text = self.decode(s.response_ids)
+        r = self.reward_fn(s.response_text, s.meta.get("answer", ""))
+        if inspect.isawaitable(r):
+            r = await r
+        s.reward = float(r)
+
+
+def _as_version(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0  # SGLang's "default" version: the initial weights

@@ -1,0 +1,95 @@
+"""EnginePool: the rollout manager's one handle on every engine replica.
+
+Generation requests are routed to one replica (least in-flight first, so replicas pull work as they
+have capacity and the data is never pre-split); control calls (pause, resume, abort_all, weight
+updates) reach *every* replica. The pool also owns the "paused for a weight update" state that the
+manager waits on before resubmitting interrupted samples.
+
+`LocalPool` keeps TorchEngines in this process (unit tests, GPU benchmarks, the CPU quickstart).
+Other pools (Ray Serve, HTTP) implement the same methods in their own modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from ..engine import TorchEngine
+
+
+class EnginePool(Protocol):
+    num_replicas: int
+
+    async def start(self) -> None: ...
+    async def aclose(self) -> None: ...
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]: ...
+    async def abort_all(self) -> None: ...
+    async def pause(self, mode: str = "abort") -> None: ...
+    async def resume(self) -> None: ...
+    async def wait_resumed(self) -> None: ...
+    async def update_weights(self, named_tensors: Any, version: int) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+class LocalPool:
+    """Engines in the driver process."""
+
+    def __init__(self, engines: list[TorchEngine]) -> None:
+        if not engines:
+            raise ValueError("LocalPool needs at least one engine")
+        self.engines = engines
+        self.num_replicas = len(engines)
+        self._inflight = [0] * len(engines)
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._busy_since: float | None = None
+
+    async def start(self) -> None:
+        for e in self.engines:
+            await e.__aenter__()
+
+    async def aclose(self) -> None:
+        for e in reversed(self.engines):
+            await e.aclose()
+
+    def _pick(self) -> int:
+        return min(range(len(self.engines)), key=lambda i: self._inflight[i])
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
+        i = self._pick()
+        self._inflight[i] += 1
+        try:
+            return await self.engines[i].generate(input_ids, sampling_params, rid)
+        finally:
+            self._inflight[i] -= 1
+
+    async def abort_all(self) -> None:
+        await asyncio.gather(*[e.abort_all() for e in self.engines])
+
+    async def pause(self, mode: str = "abort") -> None:
+        self._resumed.clear()
+        await asyncio.gather(*[e.pause(mode) for e in self.engines])  # type: ignore[arg-type]
+
+    async def resume(self) -> None:
+        await asyncio.gather(*[e.resume() for e in self.engines])
+        self._resumed.set()
+
+    async def wait_resumed(self) -> None:
+        await self._resumed.wait()
+
+    @property
+    def is_paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def update_weights(self, named_tensors: Any, version: int) -> None:
+        await asyncio.gather(*[e.update_weights_from_state_dict(named_tensors, str(version)) for e in self.engines])
+
+    def stats(self) -> dict[str, Any]:
+        per = [e.stats() for e in self.engines]
+        return {
+            "running": sum(s["running"] for s in per),
+            "waiting": sum(s["waiting"] for s in per),
+            "generated_tokens": sum(s["generated_tokens"] for s in per),
+            "busy_s": sum(s["busy_s"] for s in per),
+            "replicas": per,
+        }

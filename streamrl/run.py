@@ -1,0 +1,163 @@
+"""`streamrl run`: the whole training loop, as actions on components.
+
+    producer:  manager admits groups (controller) -> pool generates -> rewards -> buffer
+    consumer:  buffer batch -> trainer step (own thread) -> pause(abort) -> weights to every engine
+               -> resume -> interrupted samples continue with the new version
+
+Synchronous RL is the same loop with `controller.max_staleness = 0`: the controller then admits exactly
+one batch per version, so the engines wait while the trainer works and nothing is ever in flight at
+a weight update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .buffer import RolloutBuffer
+from .buffer.controller import StalenessController
+from .builders import TaskData, build_pool, load_task, prepare_model
+from .config import Config, dump_config
+from .engine.torch_engine import resolve_device
+from .progress import RunProgress
+from .rollout.manager import RolloutManager, RolloutSettings
+from .rollout.pools import EnginePool
+from .trainer.losses import LossConfig
+from .trainer.trainer import Trainer, TrainerSettings
+
+
+async def evaluate(manager: RolloutManager, pool: EnginePool, records: list[dict], temperature: float,
+                   max_new_tokens: int, seed: int = 12345) -> float:
+    """Held-out accuracy through the engines (not the trainer): what a user of the weights would see."""
+    if not records:
+        return float("nan")
+
+    async def one(i: int, r: dict) -> float:
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "sampling_seed": seed + i}
+        res = await pool.generate(manager.encode(r["prompt"]), params, f"eval-{seed}-{i}-{time.monotonic_ns()}")
+        out = manager.reward_fn(manager.decode(res["output_ids"]), r.get("answer", ""))
+        return float(await out) if asyncio.iscoroutine(out) else float(out)
+
+    scores = await asyncio.gather(*[one(i, r) for i, r in enumerate(records)])
+    return sum(scores) / len(scores)
+
+
+async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
+    """Interrupt generation, push the trainer's weights to every replica, resume. Returns seconds."""
+    t0 = time.perf_counter()
+    await pool.pause("abort")  # in-flight samples come back partial and wait for resume
+    await pool.update_weights(trainer.state_dict_for_engines(), trainer.version)
+    await pool.resume()
+    return time.perf_counter() - t0
+
+
+async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    torch.manual_seed(cfg.seed)
+    t_start = time.perf_counter()
+
+    model_dir, warm = prepare_model(cfg, log)
+    task: TaskData = load_task(cfg)
+    tr = cfg.trainer
+    trainer = Trainer(model_dir, TrainerSettings(
+        lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, device=resolve_device(tr.device),
+        # Engines report greedy logprobs at T=1, sampled ones at the rollout temperature.
+        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+        loss=LossConfig(kind=tr.loss, clip_eps=tr.clip_eps, clip_eps_high=tr.clip_eps_high,
+                        behav_imp_weight_cap=tr.behav_imp_weight_cap, tis_cap=tr.tis_cap, kl_coef=tr.kl_coef),
+    ))
+    train_exec = ThreadPoolExecutor(1, "trainer", initializer=lambda: torch.set_num_threads(tr.threads))
+    pool = build_pool(cfg, model_dir)
+    buffer = RolloutBuffer(priority=cfg.buffer.priority, capacity=cfg.buffer.capacity)
+    ctl = StalenessController(
+        batch_groups=tr.batch_groups, max_staleness=cfg.controller.max_staleness,
+        max_offpolicy_fraction=cfg.controller.max_offpolicy_fraction, stale_policy=cfg.controller.stale_policy,
+        max_concurrent_groups=cfg.rollout.max_concurrent_groups,
+    )
+    ro = cfg.rollout
+    manager = RolloutManager(
+        pool=pool, tokenizer=trainer.tokenizer, prompts=task.train, reward_fn=task.reward_fn, buffer=buffer,
+        controller=ctl, seed=cfg.seed,
+        settings=RolloutSettings(group_size=ro.group_size, max_new_tokens=ro.max_new_tokens,
+                                 temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, partial=ro.partial),
+    )
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "model_dir": model_dir, "warm_start": warm}
+    metrics_file = (run_dir / "metrics.jsonl").open("w")
+    await pool.start()
+    try:
+        summary["eval_before"] = {
+            "greedy": await evaluate(manager, pool, task.held_out, 0.0, ro.max_new_tokens),
+            "sampled": await evaluate(manager, pool, task.held_out, ro.temperature, ro.max_new_tokens),
+        }
+        log(f"held-out accuracy before RL: greedy {summary['eval_before']['greedy']:.3f}, "
+            f"sampled {summary['eval_before']['sampled']:.3f}")
+        producer = asyncio.create_task(manager.run(), name="rollout-manager")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        last = {"t": t0, "busy": 0.0, "tokens": 0, "discarded": 0, "resumed": 0, "dropped": 0}
+        samples_total = 0
+        with RunProgress(tr.steps, enabled=show_progress) as bar:
+            for step in range(1, tr.steps + 1):
+                tw = time.perf_counter()
+                groups = await buffer.get_batch(tr.batch_groups, accept=ctl.accept)
+                wait_s = time.perf_counter() - tw
+                stats = await loop.run_in_executor(train_exec, trainer.train_step, groups)
+                sync_s = await sync_weights(pool, trainer)
+                await ctl.set_version(trainer.version)
+                samples_total += stats["trained_samples"]
+                now, ps = time.perf_counter(), pool.stats()
+                dt = now - last["t"]
+                c = manager.counters
+                row = {
+                    "step": step, "version": trainer.version, "wall_s": round(now - t0, 4),
+                    "samples": samples_total, "reward_mean": stats["reward_mean"],
+                    "tokens_generated": c.tokens_generated - last["tokens"],
+                    "gen_tps": (c.tokens_generated - last["tokens"]) / dt if dt > 0 else 0.0,
+                    "loss": stats["loss"], "logprob_mismatch": stats["logprob_mismatch"],
+                    "staleness_mean": stats["staleness_mean"], "staleness_max": stats["staleness_max"],
+                    "partial_resumed": c.partial_resumed - last["resumed"],
+                    "tokens_discarded": (c.tokens_discarded + ctl.stats.dropped_tokens) - last["discarded"],
+                    "dropped_stale": ctl.stats.dropped_stale - last["dropped"],
+                    "engine_idle_frac": max(0.0, 1 - (ps["busy_s"] - last["busy"]) / (dt * pool.num_replicas)),
+                    "trainer_wait_s": wait_s, "weight_sync_s": sync_s,
+                    "clip_frac": stats.get("clip_frac", 0.0), "grad_norm": stats["grad_norm"],
+                    "buffer_size": len(buffer),
+                }
+                if ctl.stats.decisions:
+                    row["controller"] = ctl.drain_decisions()[-5:]
+                last = {"t": now, "busy": ps["busy_s"], "tokens": c.tokens_generated,
+                        "discarded": c.tokens_discarded + ctl.stats.dropped_tokens,
+                        "resumed": c.partial_resumed, "dropped": ctl.stats.dropped_stale}
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+                bar.update(step, row)
+                if tr.save_every and step % tr.save_every == 0:
+                    trainer.save(run_dir / "checkpoints" / f"step-{step}")
+        await manager.stop()
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        await pool.abort_all()
+        summary["train_wall_s"] = time.perf_counter() - t0
+        summary["eval_after"] = {
+            "greedy": await evaluate(manager, pool, task.held_out, 0.0, ro.max_new_tokens),
+            "sampled": await evaluate(manager, pool, task.held_out, ro.temperature, ro.max_new_tokens),
+        }
+    finally:
+        metrics_file.close()
+        await manager.stop()
+        await pool.aclose()
+        train_exec.shutdown(wait=True)
+    summary["final_model"] = str(trainer.save(run_dir / "final"))
+    summary["total_wall_s"] = time.perf_counter() - t_start
+    summary["steps"] = tr.steps
+    summary["samples"] = samples_total
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary

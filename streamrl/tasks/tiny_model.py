@@ -1,0 +1,193 @@
+"""Builds tiny, randomly initialised Hugging Face causal LMs offline, for tests, the quickstart and benchmarks.
+
+This module owns the character-level vocabulary (`TOKENS`) and the model presets. It writes a plain
+HF folder (config, generation config, safetensors weights, tokenizer files) that the stock Auto
+classes load, so nothing downstream needs to know the model is home-made. It knows nothing about
+tasks or training.
+
+Tokenizer design (why it is a byte-level BPE with zero merges): transformers 5 loads the tokenizer of
+any ``model_type="qwen2"`` folder through ``Qwen2Tokenizer``, whatever tokenizer_config.json says, and
+that class rebuilds the pipeline from the vocabulary (NFC normaliser, Qwen's split regex, byte-level
+pre-tokenizer and decoder). A plain per-character vocabulary then silently maps a space, or a run such
+as ``+-``, to ``<unk>``. Writing the vocabulary in the byte-level alphabet (space is ``Ġ``) with the
+same pipeline and no merges gives every character its own id under both ``Qwen2Tokenizer`` and
+``PreTrainedTokenizerFast``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
+SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHARS: tuple[str, ...] = (*"0123456789", "+", "-", "*", "=", ",", ":", ">", ";", " ")
+TOKENS: tuple[str, ...] = SPECIAL_TOKENS + CHARS
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+TOKEN_TO_ID: dict[str, int] = {tok: i for i, tok in enumerate(TOKENS)}
+
+# Same regex as transformers' Qwen2Tokenizer, so tokenizer.json matches what that class rebuilds.
+_QWEN_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~1.05 M parameters: the model measured to learn 2-digit addition under RL on a 2-core CPU.
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    ),
+    # ~4.2 M parameters.
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    ),
+    # ~85 M parameters: big enough that engine benchmarks are not pure host overhead.
+    "bench100m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=512,
+    ),
+}
+
+
+def _byte_level(char: str) -> str:
+    """The GPT-2 byte-to-unicode image of one of our characters (only space is remapped)."""
+    code = ord(char)
+    if 33 <= code <= 126:
+        return char
+    if char == " ":
+        return "Ġ"  # byte 0x20 -> U+0120 in the GPT-2 byte-level alphabet
+    raise ValueError(f"character {char!r} is outside the tiny vocabulary's byte-level mapping")
+
+
+def char_tokenizer_ids(text: str) -> list[int]:
+    """Token ids of ``text`` by direct per-character lookup; special tokens written literally count as one.
+
+    This is the reference the HF tokenizer is checked against; unknown characters map to ``<unk>``.
+    """
+    ids: list[int] = []
+    for part in _SPECIAL_RE.split(text):
+        if part in TOKEN_TO_ID and part in SPECIAL_TOKENS:
+            ids.append(TOKEN_TO_ID[part])
+        else:
+            ids.extend(TOKEN_TO_ID.get(ch, UNK_ID) for ch in part)
+    return ids
+
+
+def build_tokenizer() -> Tokenizer:
+    """The character-level tokenizer as a `tokenizers.Tokenizer` (byte-level BPE, zero merges)."""
+    vocab = {tok if tok in SPECIAL_TOKENS else _byte_level(tok): i for i, tok in enumerate(TOKENS)}
+    tok = Tokenizer(
+        BPE(vocab=vocab, merges=[], unk_token="<unk>", continuing_subword_prefix="", end_of_word_suffix="")
+    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def _write_tokenizer(out: Path) -> None:
+    tok = build_tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    # vocab.json + merges.txt let loaders that rebuild from files (Qwen2Tokenizer's slow path) agree too.
+    vocab = tok.get_vocab(with_added_tokens=True)
+    (out / "vocab.json").write_text(json.dumps(dict(sorted(vocab.items(), key=lambda kv: kv[1]))))
+    (out / "merges.txt").write_text("#version: 0.2\n")
+    special = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+    config = {
+        **special,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1_000_000,
+        "add_bos_token": False,  # callers prepend <bos> explicitly; no hidden post-processing
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "add_prefix_space": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def model_config(preset: str = "tiny", *, arch: str = "qwen2", **overrides: Any) -> Any:
+    """The transformers config for a preset; ``overrides`` replace any config field."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    fields: dict[str, Any] = dict(
+        vocab_size=len(TOKENS),
+        tie_word_embeddings=True,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        use_cache=True,
+        **PRESETS[preset],
+    )
+    fields.update(overrides)
+    if arch == "qwen2":
+        return Qwen2Config(**fields)
+    if arch == "llama":
+        return LlamaConfig(**fields)
+    raise ValueError(f"unknown arch {arch!r}; expected 'qwen2' or 'llama'")
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    preset: str = "tiny",
+    seed: int = 0,
+    arch: str = "qwen2",
+    **overrides: Any,
+) -> Path:
+    """Write a randomly initialised HF model folder for ``preset`` to ``out_dir`` and return its path.
+
+    Same (preset, arch, overrides, seed) gives bit-identical weights. Pass ``dtype="bfloat16"`` to
+    store the weights in another dtype (default float32); other overrides are config fields.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype_name = str(overrides.pop("dtype", "float32"))
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    config = model_config(preset, arch=arch, **overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # fork_rng: seeding must not disturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(dtype)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, max_new_tokens=16
+    )
+    model.save_pretrained(out)
+    _write_tokenizer(out)
+    return out
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,79 @@
+"""The `streamrl` command as a user meets it: config errors are one line and exit 2, help works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STREAMRL = [sys.executable, "-m", "streamrl.cli"]
+
+BAD_CONFIGS: list[tuple[str, list[str], str]] = [
+    ("trainer:\n  batch_groups: 0\n", [], "trainer.batch_groups"),
+    ("trainer:\n  steps: -3\n", [], "trainer.steps"),
+    ("trainer:\n  stepz: 3\n", [], "trainer.stepz"),
+    ("engines:\n  pool: grpc\n", [], "engines.pool"),
+    ("engines:\n  num_replicas: two\n", [], "engines.num_replicas"),
+    ("controller:\n  max_staleness: -1\n", [], "controller.max_staleness"),
+    ("controller:\n  max_offpolicy_fraction: 1.5\n", [], "controller.max_offpolicy_fraction"),
+    ("model:\n  path: /nonexistent/model\n  init: none\n", [], "model.path"),
+    ("data:\n  reward: not_a_spec\n", [], "data.reward"),
+    ("rollout:\n  temperature: hot\n", [], "rollout.temperature"),
+    ("trainer: [1, 2\n", [], "invalid YAML"),
+    ("", ["trainer.nope=1"], "trainer.nope"),
+    ("", ["trainer.lr=0"], "trainer.lr"),
+    ("engines:\n  pool: http\n", [], "engines.urls"),
+    ("data:\n  path: /nonexistent.jsonl\n", [], "data"),
+]
+
+
+@pytest.mark.parametrize(("text", "sets", "key"), BAD_CONFIGS)
+def test_bad_config_is_one_line_exit_2(tmp_path: Path, text: str, sets: list[str], key: str) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    cmd = [*STREAMRL, "run", str(cfg), "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error:"), p.stderr
+    assert key in lines[0]
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "runs").exists()  # stopped before any work
+
+
+def test_missing_config_file() -> None:
+    p = subprocess.run([*STREAMRL, "run", "/no/such.yaml"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no such file" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_run_help_and_config_reference() -> None:
+    p = subprocess.run([*STREAMRL, "run", "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "--set" in p.stdout
+    p = subprocess.run([*STREAMRL, "config"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    for key in ("run_dir", "model.path", "engines.pool", "engines.num_replicas", "controller.max_staleness",
+                "trainer.steps"):
+        assert f"{key}:" in p.stdout
+
+
+def test_quickstart_config_is_valid() -> None:
+    from streamrl.config import load_config
+
+    cfg = load_config(str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), check_paths=False)
+    assert cfg.model.init == "tiny" and cfg.trainer.steps >= 100
+
+
+def test_init_model_and_generate(tmp_path: Path) -> None:
+    p = subprocess.run([*STREAMRL, "init-model", str(tmp_path / "m")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "model.safetensors").is_file()
+    p = subprocess.run(
+        [*STREAMRL, "generate", "--model", str(tmp_path / "m"), "--prompt", "12+34=", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "'12+34=' ->" in p.stdout
