@@ -82,4 +82,4 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
             for i in range(e.num_replicas)
         ]
         return LocalPool(engines)
-    raise ConfigError("engines.pool", f"pool '{e.pool}' is not available in this build (use local)")
+    raise ConfigError("engines.pool", f"pool '{e.pool}' is not available yet in this build; use local")

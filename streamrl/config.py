@@ -141,6 +141,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "runs/quickstart"
     )
     seed: Annotated[int, _d("global random seed", ge=0)] = 0
+    save_samples: Annotated[bool, _d("write every trained group to run_dir/samples.jsonl")] = False
     model: Annotated[ModelConfig, _d("policy model")] = _sec(ModelConfig)
     warm_start: Annotated[WarmStartConfig, _d("optional supervised warm start")] = _sec(WarmStartConfig)
     data: Annotated[DataConfig, _d("prompts and rewards")] = _sec(DataConfig)
@@ -400,7 +401,7 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False, default_flow_style=False)
 
 
-_REWARD_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_REWARD_RE = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_][\w.]*$")  # module:fn or file.py:fn
 _URL_RE = re.compile(r"^https?://[^\s/]+")
 
 
@@ -431,7 +432,7 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         if check_paths and not Path(d.path).is_file():
             raise ConfigError("data.path", f"file '{d.path}' does not exist")
     if d.reward is not None and not _REWARD_RE.match(d.reward):
-        raise ConfigError("data.reward", f"expected 'module:function', got '{d.reward}'")
+        raise ConfigError("data.reward", f"expected 'module:function' or 'file.py:function', got '{d.reward}'")
     if e.max_total_tokens is not None and e.max_total_tokens < cfg.rollout.max_new_tokens:
         raise ConfigError(
             "engines.max_total_tokens",

@@ -23,13 +23,14 @@ import torch
 from .buffer import RolloutBuffer
 from .buffer.controller import StalenessController
 from .builders import TaskData, build_pool, load_task, prepare_model
-from .config import Config, dump_config
+from .config import Config, ConfigError, dump_config
 from .engine.torch_engine import resolve_device
 from .progress import RunProgress
 from .rollout.manager import RolloutManager, RolloutSettings
 from .rollout.pools import EnginePool
 from .trainer.losses import LossConfig
 from .trainer.trainer import Trainer, TrainerSettings
+from .types import encode_jsonl
 
 
 async def evaluate(manager: RolloutManager, pool: EnginePool, records: list[dict], temperature: float,
@@ -48,6 +49,19 @@ async def evaluate(manager: RolloutManager, pool: EnginePool, records: list[dict
     return sum(scores) / len(scores)
 
 
+async def next_batch(buffer: RolloutBuffer, ctl: StalenessController, size: int) -> list:
+    """`size` groups that satisfy the controller: within max_staleness (or kept by policy) and within
+    the off-policy fraction cap. Drops free admission slots, so the manager refills with fresh groups."""
+    batch: list = []
+    offp = 0
+    while len(batch) < size:
+        got = await buffer.get_batch(size - len(batch), accept=ctl.accept)
+        kept, offp = ctl.compose(got, offpolicy_taken=offp)
+        batch += kept
+        await ctl.poke()
+    return batch
+
+
 async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
     """Interrupt generation, push the trainer's weights to every replica, resume. Returns seconds."""
     t0 = time.perf_counter()
@@ -58,6 +72,9 @@ async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
 
 
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
+    if cfg.engines.pool != "local":
+        raise ConfigError("engines.pool", f"pool '{cfg.engines.pool}' is not available yet in this build; use local")
+    task: TaskData = load_task(cfg)  # first: a bad dataset or reward spec stops before any work
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -65,7 +82,6 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     t_start = time.perf_counter()
 
     model_dir, warm = prepare_model(cfg, log)
-    task: TaskData = load_task(cfg)
     tr = cfg.trainer
     trainer = Trainer(model_dir, TrainerSettings(
         lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, device=resolve_device(tr.device),
@@ -76,12 +92,21 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     ))
     train_exec = ThreadPoolExecutor(1, "trainer", initializer=lambda: torch.set_num_threads(tr.threads))
     pool = build_pool(cfg, model_dir)
-    buffer = RolloutBuffer(priority=cfg.buffer.priority, capacity=cfg.buffer.capacity)
     ctl = StalenessController(
         batch_groups=tr.batch_groups, max_staleness=cfg.controller.max_staleness,
         max_offpolicy_fraction=cfg.controller.max_offpolicy_fraction, stale_policy=cfg.controller.stale_policy,
         max_concurrent_groups=cfg.rollout.max_concurrent_groups,
     )
+    # A group dropped for staleness frees an admission slot: wake the manager so a fresh group
+    # replaces it even if the trainer is still waiting inside get_batch.
+    pokes: set[asyncio.Task] = set()
+
+    def on_reject(_: object) -> None:
+        t = asyncio.get_running_loop().create_task(ctl.poke())
+        pokes.add(t)
+        t.add_done_callback(pokes.discard)
+
+    buffer = RolloutBuffer(priority=cfg.buffer.priority, capacity=cfg.buffer.capacity, on_reject=on_reject)
     ro = cfg.rollout
     manager = RolloutManager(
         pool=pool, tokenizer=trainer.tokenizer, prompts=task.train, reward_fn=task.reward_fn, buffer=buffer,
@@ -91,6 +116,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     )
     summary: dict[str, Any] = {"run_dir": str(run_dir), "model_dir": model_dir, "warm_start": warm}
     metrics_file = (run_dir / "metrics.jsonl").open("w")
+    samples_file = (run_dir / "samples.jsonl").open("wb") if cfg.save_samples else None
     await pool.start()
     try:
         summary["eval_before"] = {
@@ -107,8 +133,10 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
         with RunProgress(tr.steps, enabled=show_progress) as bar:
             for step in range(1, tr.steps + 1):
                 tw = time.perf_counter()
-                groups = await buffer.get_batch(tr.batch_groups, accept=ctl.accept)
+                groups = await next_batch(buffer, ctl, tr.batch_groups)
                 wait_s = time.perf_counter() - tw
+                if samples_file is not None:
+                    samples_file.write(encode_jsonl(groups))
                 stats = await loop.run_in_executor(train_exec, trainer.train_step, groups)
                 sync_s = await sync_weights(pool, trainer)
                 await ctl.set_version(trainer.version)
@@ -122,6 +150,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
                     "tokens_generated": c.tokens_generated - last["tokens"],
                     "gen_tps": (c.tokens_generated - last["tokens"]) / dt if dt > 0 else 0.0,
                     "loss": stats["loss"], "logprob_mismatch": stats["logprob_mismatch"],
+                    "logprob_diff": stats["logprob_diff_all"],
                     "staleness_mean": stats["staleness_mean"], "staleness_max": stats["staleness_max"],
                     "partial_resumed": c.partial_resumed - last["resumed"],
                     "tokens_discarded": (c.tokens_discarded + ctl.stats.dropped_tokens) - last["discarded"],
@@ -131,6 +160,9 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
                     "clip_frac": stats.get("clip_frac", 0.0), "grad_norm": stats["grad_norm"],
                     "buffer_size": len(buffer),
                 }
+                if tr.eval_every and step % tr.eval_every == 0:
+                    row["eval_sampled"] = await evaluate(manager, pool, task.held_out, ro.temperature,
+                                                         ro.max_new_tokens, seed=step)
                 if ctl.stats.decisions:
                     row["controller"] = ctl.drain_decisions()[-5:]
                 last = {"t": now, "busy": ps["busy_s"], "tokens": c.tokens_generated,
@@ -152,6 +184,8 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
         }
     finally:
         metrics_file.close()
+        if samples_file is not None:
+            samples_file.close()
         await manager.stop()
         await pool.aclose()
         train_exec.shutdown(wait=True)

@@ -26,6 +26,9 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
     ("", ["trainer.lr=0"], "trainer.lr"),
     ("engines:\n  pool: http\n", [], "engines.urls"),
     ("data:\n  path: /nonexistent.jsonl\n", [], "data"),
+    ("data:\n  reward: no_such_module_xyz:score\n", [], "data.reward"),
+    ("data:\n  reward: json:no_such_function\n", [], "data.reward"),
+    ("engines:\n  pool: ray_serve\n", [], "engines.pool"),
 ]
 
 
@@ -36,7 +39,7 @@ def test_bad_config_is_one_line_exit_2(tmp_path: Path, text: str, sets: list[str
     cmd = [*STREAMRL, "run", str(cfg), "--no-progress"]
     for s in sets:
         cmd += ["--set", s]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error:"), p.stderr

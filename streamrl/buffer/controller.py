@@ -110,23 +110,32 @@ class StalenessController:
         self.returned += 1  # its admission slot is reusable: the batch it was meant for needs a substitute
         return False
 
-    def compose(self, groups: list[Group]) -> tuple[list[Group], list[Group]]:
-        """Split a candidate batch into (train now, put back) by the off-policy fraction."""
-        if self.max_offpolicy_fraction >= 1.0:
-            return groups, []
-        allowed = math.floor(self.max_offpolicy_fraction * len(groups))
-        batch, back, offp = [], [], 0
+    def compose(self, groups: list[Group], *, offpolicy_taken: int = 0) -> tuple[list[Group], int]:
+        """Keep at most floor(max_offpolicy_fraction * batch_groups) off-policy groups in a batch.
+
+        Excess off-policy groups are dropped (counted like stale drops) and their admission slots given
+        back, so fresh on-policy groups can replace them; deferring them instead could deadlock the
+        trainer behind groups that only get staler. Returns (kept groups, off-policy count in them).
+        """
+        allowed = math.floor(self.max_offpolicy_fraction * self.batch_groups + 1e-9)
+        kept, offp = [], offpolicy_taken
         for g in groups:
             if self.staleness(g) > 0:
                 if offp >= allowed:
-                    back.append(g)
+                    self.stats.dropped_stale += 1
+                    self.stats.dropped_tokens += g.num_tokens
+                    self.stats.deferred_offpolicy += 1
+                    self.returned += 1
+                    self.stats.note(f"drop {g.group_id}: off-policy fraction cap {self.max_offpolicy_fraction}")
                     continue
                 offp += 1
-            batch.append(g)
-        if back:
-            self.stats.deferred_offpolicy += len(back)
-            self.stats.note(f"defer {len(back)} off-policy groups (fraction cap {self.max_offpolicy_fraction})")
-        return batch, back
+            kept.append(g)
+        return kept, offp
+
+    async def poke(self) -> None:
+        """Wake admission after synchronous decisions (drops) freed slots."""
+        async with self._changed:
+            self._changed.notify_all()
 
     def drain_decisions(self) -> list[str]:
         out, self.stats.decisions = self.stats.decisions, []

@@ -55,6 +55,7 @@ class TorchEngine:
         weight_version: str = "default",
         load_tokenizer: bool = True,
         num_threads: int | None = None,
+        inline: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,6 +81,12 @@ class TorchEngine:
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         # torch's intra-op thread count is per calling thread: set it in the worker that computes, so an
         # engine and a trainer in one process can split the cores instead of oversubscribing them.
+        # `inline` runs steps on the event-loop thread instead: no thread hop and no second OpenMP team
+        # (on small CPUs two teams' spinning workers slow each other down), at the price of blocking the
+        # loop for one step at a time. Right for a process that does nothing but generate.
+        self._inline = self.device == "cpu" if inline is None else inline
+        if self._inline and num_threads:
+            torch.set_num_threads(num_threads)
         init = (lambda: torch.set_num_threads(num_threads)) if num_threads else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine", initializer=init)
         self._step_lock = asyncio.Lock()
@@ -209,7 +216,10 @@ class TorchEngine:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    tokens, logps = await loop.run_in_executor(self._executor, self._execute, plan)
+                    if self._inline:
+                        tokens, logps = self._execute(plan)
+                    else:
+                        tokens, logps = await loop.run_in_executor(self._executor, self._execute, plan)
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
                     for r in plan.requests:
                         self._finish(r, finish_reason("abort", message=f"engine error: {e}"), error=e)
@@ -217,6 +227,8 @@ class TorchEngine:
                 self._stats["busy_s"] += time.perf_counter() - t0
                 self._stats["num_steps"] += 1
                 self._postprocess(plan, tokens, logps)
+            if self._inline:
+                await asyncio.sleep(0)  # one step at a time: let HTTP, control calls and the trainer in
 
     def _execute(self, plan: Plan) -> tuple[list[int], list[float]]:
         """Runs in the worker thread: tensors only, no engine state changes."""

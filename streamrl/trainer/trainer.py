@@ -74,7 +74,9 @@ class Trainer:
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        # max_norm=inf measures the norm without clipping (grad_clip 0 = off).
+        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
 
         # One host sync for all logged numbers.
@@ -87,10 +89,12 @@ class Trainer:
             (stale * mask).sum() / mask.sum().clamp(min=1),
             torch.where(mask, stale, torch.zeros_like(stale)).max() if mask.any() else torch.zeros(()),
             grad_norm.detach().float(),
+            cur.sum().float(),
         ]).tolist()
         self.version += 1
         stats.update(
-            logprob_mismatch=nums[0], logprob_diff_all=nums[1], staleness_mean=nums[2],
+            # Only tokens of the current version can be compared like for like; None if there are none.
+            logprob_mismatch=nums[0] if nums[5] > 0 else None, logprob_diff_all=nums[1], staleness_mean=nums[2],
             staleness_max=nums[3], grad_norm=nums[4] if math.isfinite(nums[4]) else float("nan"),
             reward_mean=float(rewards.mean()), trained_samples=len(samples), trained_tokens=int(mask.sum()),
         )

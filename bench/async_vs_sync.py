@@ -1,0 +1,172 @@
+"""Synchronous vs asynchronous training on a long-tail response-length task, one process run.
+
+Task "repeat": `"37*3="` -> `"37,37,37"`. 90% of prompts repeat 1-2 times (2-5 answer tokens), 10%
+repeat 8-12 times (23-35 tokens): most answers short, a few ten times longer — the shape of real
+reasoning rollouts, where synchronous RL waits for the slowest sample of every batch.
+
+Every mode uses the same model (a tiny model warm-started on the task with sloppy labels), seed, task
+and sample budget, through the same `streamrl.run.run` code path; only the controller / rollout
+settings differ. Reported per mode: wall time to the sample budget, samples/s, engine idle fraction,
+tokens discarded, final reward, max staleness, and the speedup over sync.
+
+    python bench/async_vs_sync.py [--steps 120] [--modes sync,eta1,eta2,eta4,eta4-discard]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from streamrl.config import config_from_dict
+from streamrl.run import run
+from streamrl.tasks import build_tiny_model
+
+RESULTS = Path(__file__).parent / "results"
+
+MODES: dict[str, dict] = {
+    "sync": {"controller": {"max_staleness": 0}},
+    "sync-2threads": {"controller": {"max_staleness": 0}, "engines": {"threads": 2}, "trainer": {"threads": 2}},
+    "eta1": {"controller": {"max_staleness": 1}},
+    "eta2": {"controller": {"max_staleness": 2}},
+    "eta4": {"controller": {"max_staleness": 4}},
+    "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
+}
+
+
+def make_records(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a = rng.randint(10, 99)
+        k = rng.randint(8, 12) if rng.random() < 0.1 else rng.randint(1, 2)
+        out.append({"prompt": f"{a}*{k}=", "answer": ",".join([str(a)] * k)})
+    return out
+
+
+def warm_start(model_dir: Path, records: list[dict], steps: int, seed: int) -> None:
+    """Supervised start with sloppy labels (30% repeat one time too many or too few)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for _ in range(steps):
+        batch = rng.sample(records, 128)
+        seqs, starts = [], []
+        for r in batch:
+            a, k = r["prompt"][:-1].split("*")
+            k = max(1, int(k) + (rng.choice([-1, 1]) if rng.random() < 0.3 else 0))
+            p = [tok.bos_token_id, *enc(r["prompt"])]
+            seqs.append(p + enc(",".join([a] * k)) + [tok.eos_token_id])
+            starts.append(len(p))
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+        pos = torch.arange(width - 1)
+        lens, first = torch.tensor([len(s) for s in seqs]), torch.tensor(starts)
+        mask = (pos >= first[:, None] - 1) & (pos < lens[:, None] - 1)
+        logits = model(input_ids=ids[:, :-1]).logits
+        loss = F.cross_entropy(logits[mask], ids[:, 1:][mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.save_pretrained(model_dir)
+
+
+def run_mode(name: str, overrides: dict, base: dict) -> dict:
+    cfg = json.loads(json.dumps(base))
+    for sec, vals in overrides.items():
+        cfg.setdefault(sec, {}).update(vals)
+    cfg["run_dir"] = str(Path(base["run_dir"]) / name)
+    t0 = time.perf_counter()
+    summary = asyncio.run(run(config_from_dict(cfg), show_progress=False, log=lambda *_: None))
+    rows = [json.loads(x) for x in (Path(cfg["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    train_wall = rows[-1]["wall_s"]
+    tail = rows[-max(1, len(rows) // 5):]
+    n = len(rows)
+    return {
+        "mode": name, "wall_s": round(train_wall, 2), "samples": rows[-1]["samples"],
+        "samples_per_s": round(rows[-1]["samples"] / train_wall, 1),
+        "final_reward": round(sum(r["reward_mean"] for r in tail) / len(tail), 4),
+        "eval_sampled_after": summary["eval_after"]["sampled"],
+        "tokens_generated": sum(r["tokens_generated"] for r in rows),
+        "tokens_discarded": sum(r["tokens_discarded"] for r in rows),
+        "partial_resumed": sum(r["partial_resumed"] for r in rows),
+        "dropped_stale": sum(r["dropped_stale"] for r in rows),
+        "staleness_max": max(r["staleness_max"] for r in rows),
+        "engine_idle_frac": round(sum(r["engine_idle_frac"] for r in rows) / n, 3),
+        "trainer_wait_frac": round(sum(r["trainer_wait_s"] for r in rows) / train_wall, 3),
+        "process_wall_s": round(time.perf_counter() - t0, 1),
+        "settings": overrides,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=120, help="trainer steps per mode (budget = steps*8*8 samples)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--warm-steps", type=int, default=600)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "async_vs_sync.json"))
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", preset="tiny", seed=args.seed)
+        records = make_records(4000, args.seed)
+        data = Path(tmp) / "repeat.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+        t0 = time.perf_counter()
+        torch.set_num_threads(2)
+        warm_start(model_dir, records[200:], args.warm_steps, args.seed)
+        print(f"warm start: {time.perf_counter() - t0:.0f} s", flush=True)
+        base = {
+            "run_dir": str(Path(tmp) / "runs"), "seed": args.seed,
+            "model": {"path": str(model_dir), "init": "none"},
+            "data": {"task": None, "path": str(data), "eval_size": 64},
+            "engines": {"max_running_requests": 128},
+            "rollout": {"group_size": 8, "max_new_tokens": 40, "temperature": 1.0},
+            "trainer": {"steps": args.steps, "batch_groups": 8, "lr": 3e-5, "loss": "decoupled_ppo"},
+        }
+        rows = []
+        for name in args.modes.split(","):
+            rows.append(run_mode(name, MODES[name], base))
+            print(rows[-1], flush=True)
+    sync = next((r for r in rows if r["mode"] == "sync"), None)
+    best_sync = min((r for r in rows if r["mode"].startswith("sync")), key=lambda r: r["wall_s"], default=None)
+    for r in rows:
+        r["speedup_vs_sync"] = round(sync["wall_s"] / r["wall_s"], 2) if sync else None
+        r["speedup_vs_best_sync"] = round(best_sync["wall_s"] / r["wall_s"], 2) if best_sync else None
+
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"async vs sync, long-tail task, {rows[0]['samples']} samples per mode (2-core CPU)")
+    cols = ["mode", "wall_s", "samples_per_s", "speedup_vs_sync", "speedup_vs_best_sync", "engine_idle_frac",
+            "tokens_discarded", "partial_resumed", "staleness_max", "final_reward"]
+    for c in cols:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*[str(r[c]) for c in cols])
+    Console().print(t)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    meta = {"steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
+            "python": sys.version.split()[0]}
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""`SGLangClient`: an asyncio client for SGLang's native HTTP API (a real SGLang server, a
+sglang-router, or `streamrl serve`).
+
+Results are the server's JSON, unchanged: `generate` returns SGLang's `/generate` dict, the same shape
+`TorchEngine.generate` returns (logprobs are requested by default, as the engine always returns them).
+Errors (HTTP status >= 400, or an in-band stream error) raise `SGLangHTTPError` with the server's
+message. Closing a `generate_stream` early drops the connection, which aborts the request server-side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+
+
+class SGLangHTTPError(Exception):
+    def __init__(self, status: int, message: str, body: Any = None) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status, self.message, self.body = status, message, body
+
+
+def _message(body: Any, fallback: str) -> str:
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message", body.get("detail")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if body.get("success") is False and "message" in body:
+            err = body["message"]
+        if err is not None:
+            return str(err)
+    return fallback
+
+
+class SGLangClient:
+    """`async with SGLangClient("http://127.0.0.1:30000") as c: r = await c.generate([1, 5], {...})`."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, *, timeout: float | None = None,
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session = session
+        self._owns_session = session is None
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._session is not None and self._owns_session and not self._session.closed:
+            await self._session.close()
+        self._session = None if self._owns_session else self._session
+
+    def _s(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No connection limit: a rollout keeps hundreds of requests in flight on one client.
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0), headers=self._headers
+            )
+        return self._session
+
+    async def request(self, method: str, path: str, payload: Any = None) -> Any:
+        """One call; returns the decoded JSON (or text / None for non-JSON bodies)."""
+        data = msgspec.json.encode(payload) if payload is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        async with self._s().request(method, self.base_url + path, data=data, headers=headers) as r:
+            raw = await r.read()
+            body: Any = None
+            if raw:
+                try:
+                    body = msgspec.json.decode(raw)
+                except msgspec.DecodeError:
+                    body = raw.decode(errors="replace")
+            if r.status >= 400:
+                raise SGLangHTTPError(r.status, _message(body, r.reason or ""), body)
+            return body
+
+    # ---- generation ------------------------------------------------------------------------------
+    @staticmethod
+    def _payload(input_ids: Any, sampling_params: dict[str, Any] | None, rid: Any, return_logprob: bool,
+                 stream: bool, extra: dict[str, Any]) -> dict[str, Any]:
+        key = "text" if isinstance(input_ids, str) or (
+            isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], str)) else "input_ids"
+        p: dict[str, Any] = {key: input_ids, "sampling_params": sampling_params or {},
+                             "return_logprob": return_logprob, **extra}
+        if rid is not None:
+            p["rid"] = rid
+        if stream:
+            p["stream"] = True
+        return p
+
+    async def generate(self, input_ids: Any, sampling_params: dict[str, Any] | None = None, rid: Any = None, *,
+                       return_logprob: bool = True, **extra: Any) -> Any:
+        """POST /generate. `input_ids` may be token ids, text, or a batch of either (→ a list)."""
+        return await self.request(
+            "POST", "/generate", self._payload(input_ids, sampling_params, rid, return_logprob, False, extra)
+        )
+
+    async def generate_stream(self, input_ids: Any, sampling_params: dict[str, Any] | None = None,
+                              rid: Any = None, *, return_logprob: bool = True,
+                              **extra: Any) -> AsyncIterator[dict[str, Any]]:
+        """POST /generate with stream=True; yields SGLang's cumulative chunks (the last is finished)."""
+        payload = msgspec.json.encode(self._payload(input_ids, sampling_params, rid, return_logprob, True, extra))
+        r = await self._s().post(self.base_url + "/generate", data=payload,
+                                 headers={"Content-Type": "application/json"})
+        try:
+            if r.status >= 400:
+                raw = await r.read()
+                body = msgspec.json.decode(raw) if raw.startswith(b"{") else raw.decode(errors="replace")
+                raise SGLangHTTPError(r.status, _message(body, r.reason or ""), body)
+            buf = b""
+            async for piece in r.content.iter_any():  # not line iteration: chunks can exceed its limit
+                buf += piece
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data:"):
+                        continue
+                    data = event[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    obj = msgspec.json.decode(data)
+                    if isinstance(obj, dict) and "error" in obj:
+                        raise SGLangHTTPError(200, _message(obj, "stream error"), obj)
+                    yield obj
+        finally:
+            r.close()  # an unfinished stream drops the connection: the server aborts the request
+
+    # ---- control ---------------------------------------------------------------------------------
+    async def abort(self, rid: str) -> None:
+        await self.request("POST", "/abort_request", {"rid": rid})
+
+    async def abort_all(self) -> None:
+        await self.request("POST", "/abort_request", {"abort_all": True})
+
+    async def pause(self, mode: str = "abort") -> dict[str, Any]:
+        return await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> dict[str, Any]:
+        return await self.request("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, path: str, version: str | None = None, **extra: Any) -> dict[str, Any]:
+        payload = {"model_path": path, **extra}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        return await self.request("POST", "/update_weights_from_disk", payload)
+
+    async def update_weight_version(self, version: str, abort_all_requests: bool = True) -> dict[str, Any]:
+        return await self.request(
+            "POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": abort_all_requests}
+        )
+
+    async def release_memory(self) -> None:
+        await self.request("POST", "/release_memory_occupation", {})
+
+    async def resume_memory(self) -> None:
+        await self.request("POST", "/resume_memory_occupation", {})
+
+    async def flush_cache(self) -> bool:
+        """True when flushed; False when the server refused (requests in flight)."""
+        try:
+            await self.request("POST", "/flush_cache")
+        except SGLangHTTPError as e:
+            if e.status == 400:
+                return False
+            raise
+        return True
+
+    async def health(self) -> bool:
+        try:
+            await self.request("GET", "/health")
+        except (SGLangHTTPError, aiohttp.ClientError, OSError):
+            return False
+        return True
+
+    async def _get_either(self, path: str) -> Any:
+        try:
+            return await self.request("GET", path)
+        except SGLangHTTPError as e:  # older SGLang only has the /get_* names
+            if e.status != 404:
+                raise
+            return await self.request("GET", path.replace("/", "/get_", 1))
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._get_either("/model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._get_either("/server_info")
+
+    async def loads(self) -> dict[str, Any]:
+        return await self.request("GET", "/v1/loads")

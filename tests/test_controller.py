@@ -1,0 +1,85 @@
+"""The off-policy ratio controller: admission (AReaL's rule), stale policy, off-policy fraction."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streamrl.buffer.controller import StalenessController
+from streamrl.types import Group, Sample
+
+
+def group(gid: str, versions: list[int], admitted: int = 0) -> Group:
+    s = Sample(group_id=gid, prompt_ids=[1])
+    for v in versions:
+        s.append([5], [-0.1], v)
+    return Group(group_id=gid, samples=[s], admitted_version=admitted)
+
+
+@pytest.mark.parametrize(("eta", "batch", "expected"), [(0, 2, 2), (1, 2, 4), (4, 3, 15)])
+async def test_admission_follows_areal_rule(eta: int, batch: int, expected: int) -> None:
+    c = StalenessController(batch_groups=batch, max_staleness=eta)
+    assert c.capacity() == expected
+    for _ in range(expected):
+        assert await c.acquire() == 0
+    assert c.capacity() == 0
+    await c.set_version(1)
+    assert c.capacity() == batch  # each version admits one more batch
+
+
+async def test_acquire_waits_for_a_new_version() -> None:
+    c = StalenessController(batch_groups=1, max_staleness=0)
+    await c.acquire()
+    waiter = asyncio.ensure_future(c.acquire())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # sync mode: the next group waits for the next weights
+    await c.release()
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # finishing a group does not free its slot; training on it does
+    await c.set_version(1)
+    assert await asyncio.wait_for(waiter, 1) == 1
+
+
+async def test_returned_slots_and_concurrency_cap() -> None:
+    c = StalenessController(batch_groups=4, max_staleness=0, max_concurrent_groups=2)
+    await c.acquire()
+    await c.acquire()
+    assert c.capacity() == 0  # concurrency cap, not staleness
+    await c.release(returned=True)  # a failed group gives its slot back
+    assert c.capacity() == 1
+    assert c.started - c.returned == 1
+
+
+def test_stale_groups_dropped_or_kept() -> None:
+    drop = StalenessController(batch_groups=2, max_staleness=1, stale_policy="drop")
+    drop.version = 3
+    assert drop.accept(group("fresh", [3, 3]))
+    assert drop.accept(group("one-behind", [2, 3]))
+    assert not drop.accept(group("too-stale", [1, 3]))
+    assert drop.stats.dropped_stale == 1 and drop.stats.dropped_tokens == 2 and drop.returned == 1
+    assert any("too-stale" in d for d in drop.drain_decisions())
+
+    keep = StalenessController(batch_groups=2, max_staleness=1, stale_policy="keep")
+    keep.version = 3
+    assert keep.accept(group("too-stale", [0]))
+    assert keep.stats.kept_stale == 1 and keep.stats.dropped_stale == 0
+
+
+def test_offpolicy_fraction_caps_a_batch() -> None:
+    c = StalenessController(batch_groups=4, max_staleness=4, max_offpolicy_fraction=0.5)
+    c.version = 2
+    groups = [group("a", [1]), group("b", [2]), group("c", [0]), group("d", [1]), group("e", [2])]
+    kept, offp = c.compose(groups)
+    assert [g.group_id for g in kept] == ["a", "b", "c", "e"]  # "d" is the third off-policy group
+    assert offp == 2 and c.stats.dropped_stale == 1 and c.returned == 1
+    kept2, offp2 = c.compose([group("f", [1])], offpolicy_taken=offp)
+    assert kept2 == [] and offp2 == 2  # the cap spans the whole batch, across calls
+    on_policy_only = StalenessController(batch_groups=4, max_staleness=4, max_offpolicy_fraction=0.0)
+    on_policy_only.version = 1
+    assert on_policy_only.compose([group("x", [0]), group("y", [1])])[0][0].group_id == "y"
+
+
+def test_bad_policy_rejected() -> None:
+    with pytest.raises(ValueError, match="stale_policy"):
+        StalenessController(batch_groups=1, stale_policy="ignore")
