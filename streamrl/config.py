@@ -134,6 +134,7 @@ class TrainerConfig(_Section):
     eval_every: Annotated[int, _d("evaluate every N steps; 0 = never", ge=0)] = 0
     save_every: Annotated[int, _d("checkpoint every N steps; 0 = only at the end", ge=0)] = 0
     threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
+    micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -52,6 +52,7 @@ async def evaluate(manager: RolloutManager, pool: EnginePool, records: list[dict
 async def next_batch(buffer: RolloutBuffer, ctl: StalenessController, size: int) -> list:
     """`size` groups that satisfy the controller: within max_staleness (or kept by policy) and within
     the off-policy fraction cap. Drops free admission slots, so the manager refills with fresh groups."""
+    await ctl.wait_for_oldest()  # never train past a group that would then be too stale
     batch: list = []
     offp = 0
     while len(batch) < size:
@@ -85,6 +86,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     tr = cfg.trainer
     trainer = Trainer(model_dir, TrainerSettings(
         lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, device=resolve_device(tr.device),
+        micro_batch_tokens=tr.micro_batch_tokens,
         # Engines report greedy logprobs at T=1, sampled ones at the rollout temperature.
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         loss=LossConfig(kind=tr.loss, clip_eps=tr.clip_eps, clip_eps_high=tr.clip_eps_high,

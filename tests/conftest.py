@@ -9,7 +9,7 @@ import torch
 
 from streamrl.tasks.tiny_model import build_tiny_model
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # several torch thread teams in one process spin against each other on 2 cores
 
 
 @pytest.fixture(scope="session")

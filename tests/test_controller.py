@@ -34,7 +34,7 @@ async def test_acquire_waits_for_a_new_version() -> None:
     waiter = asyncio.ensure_future(c.acquire())
     await asyncio.sleep(0.01)
     assert not waiter.done()  # sync mode: the next group waits for the next weights
-    await c.release()
+    await c.release(0)
     await asyncio.sleep(0.01)
     assert not waiter.done()  # finishing a group does not free its slot; training on it does
     await c.set_version(1)
@@ -46,7 +46,7 @@ async def test_returned_slots_and_concurrency_cap() -> None:
     await c.acquire()
     await c.acquire()
     assert c.capacity() == 0  # concurrency cap, not staleness
-    await c.release(returned=True)  # a failed group gives its slot back
+    await c.release(0, returned=True)  # a failed group gives its slot back
     assert c.capacity() == 1
     assert c.started - c.returned == 1
 
@@ -83,3 +83,19 @@ def test_offpolicy_fraction_caps_a_batch() -> None:
 def test_bad_policy_rejected() -> None:
     with pytest.raises(ValueError, match="stale_policy"):
         StalenessController(batch_groups=1, stale_policy="ignore")
+
+
+async def test_trainer_waits_for_groups_that_would_become_too_stale() -> None:
+    c = StalenessController(batch_groups=2, max_staleness=1)
+    for _ in range(4):
+        await c.acquire()  # admitted at version 0
+    assert c.must_wait_for() == 0  # at version 0 nothing is at risk yet
+    await c.set_version(1)
+    assert c.must_wait_for() == 4  # training past version 1 would leave version-0 groups 2 behind
+    waiter = asyncio.ensure_future(c.wait_for_oldest())
+    for _ in range(3):
+        await c.release(0)
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    await c.release(0)
+    await asyncio.wait_for(waiter, 1)

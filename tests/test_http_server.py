@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -17,10 +18,11 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+import torch
 from aiohttp import web
 
 from streamrl.engine import TorchEngine
-from streamrl.engine.http import SGLangClient, SGLangHTTPError, build_app
+from streamrl.engine.http import GlooWeightSender, SGLangClient, SGLangHTTPError, build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -47,7 +49,9 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def srv(engine_model_dir: Path):
-    engine = TorchEngine(str(engine_model_dir), device="cpu", max_running_requests=8)
+    threads = torch.get_num_threads()
+    # One thread: a tiny model gains nothing from two, and loses a lot when the cores are shared.
+    engine = TorchEngine(str(engine_model_dir), device="cpu", max_running_requests=8, num_threads=1)
     async with engine:
         r1, url = await _start(build_app(engine, model_name="tiny"))
         r2, key_url = await _start(build_app(engine, api_key=KEY, model_name="tiny"))
@@ -55,6 +59,7 @@ async def srv(engine_model_dir: Path):
             yield Server(engine, url, key_url, client, engine_model_dir)
         await r1.cleanup()
         await r2.cleanup()
+    torch.set_num_threads(threads)
 
 
 async def raw(url: str, method: str, path: str, body: bytes | str | None = None, headers=None):
@@ -92,6 +97,9 @@ async def test_generate_matches_engine_result(srv: Server) -> None:
     assert [x[2] for x in r3["meta_info"]["output_token_logprobs"]] == [
         srv.engine.tokenizer.decode([t]) for t in r3["output_ids"]
     ]
+    # Fields sglang-router adds when it forwards a request are accepted.
+    routed = await srv.client.generate(PROMPT, params, model=None, return_bytes=False, log_metrics=True)
+    assert routed["output_ids"] == direct["output_ids"]
     # PUT works too, like SGLang.
     status, _ = await raw(srv.url, "PUT", "/generate", '{"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}}')
     assert status == 200
@@ -254,6 +262,29 @@ async def test_weight_updates(srv: Server, tiny_model_dir_b: Path) -> None:
     assert srv.engine.weight_version == "default"
 
 
+async def test_update_weights_from_distributed_over_gloo(srv: Server, tiny_model_dir_b: Path) -> None:
+    from safetensors.torch import load_file
+
+    params = {"max_new_tokens": 8, **GREEDY}
+    before = await srv.client.generate(PROMPT, params)
+    await srv.client.update_weights_from_disk(str(tiny_model_dir_b), "disk-b")
+    want = await srv.client.generate(PROMPT, params)
+    await srv.client.update_weights_from_disk(str(srv.model_dir), "default")
+    with pytest.raises(SGLangHTTPError) as e:  # SGLang's default backend: not available here
+        await srv.client.init_weights_update_group("127.0.0.1", 1, 1, 2, backend="nccl")
+    assert e.value.body["success"] is False
+    sender = GlooWeightSender()  # the trainer: rank 0
+    await srv.client.connect_sender(sender)
+    r = await srv.client.send_weights(sender, load_file(tiny_model_dir_b / "model.safetensors").items(), "dist-1")
+    assert r["success"], r
+    got = await srv.client.generate(PROMPT, params)
+    assert got["meta_info"]["weight_version"] == "dist-1" and got["output_ids"] == want["output_ids"]
+    assert got["output_ids"] != before["output_ids"]
+    assert (await srv.client.destroy_weights_update_group())["success"]
+    sender.close()
+    await srv.client.update_weights_from_disk(str(srv.model_dir), "default")
+
+
 # ---- errors and auth -----------------------------------------------------------------------------
 BAD = [
     ("POST", "/generate", "{"),
@@ -346,6 +377,33 @@ async def test_openai_client(srv: Server) -> None:
         await oa.close()
 
 
+async def test_through_sglang_router(srv: Server) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", srv.url, "--host", "127.0.0.1",
+           "--port", str(port), "--policy", "round_robin"]
+    devnull = asyncio.subprocess.DEVNULL
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=devnull, stderr=devnull)
+    try:
+        params = {"max_new_tokens": 6, **GREEDY}
+        async with SGLangClient(f"http://127.0.0.1:{port}") as c:
+            t0 = time.monotonic()
+            while True:  # until the router is up and has registered the worker
+                try:
+                    r = await c.generate(PROMPT, params, rid="via-router")
+                    break
+                except (SGLangHTTPError, aiohttp.ClientError):
+                    assert time.monotonic() - t0 < 20, "router did not come up"
+                    await asyncio.sleep(0.2)
+            assert strip(r) == strip(await srv.engine.generate(PROMPT, params))
+            last = [ch async for ch in c.generate_stream(PROMPT, params)][-1]
+            assert last["output_ids"] == r["output_ids"]
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
 # ---- the console entry point ---------------------------------------------------------------------
 async def test_subprocess_server(engine_model_dir: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -361,6 +419,7 @@ async def test_subprocess_server(engine_model_dir: Path) -> None:
         async with SGLangClient(url) as c:
             assert await c.health()
             r = await c.generate(PROMPT, {"max_new_tokens": 3, **GREEDY})
+            assert (await c.request("GET", "/v1/models"))["data"][0]["id"] == str(engine_model_dir)
         assert r["meta_info"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..types import Group
@@ -58,6 +59,7 @@ class StalenessController:
         self.running = 0
         self.returned = 0  # groups dropped after admission: their slot is given back
         self.stats = ControllerStats()
+        self._inflight: Counter[int] = Counter()  # admitted version -> groups still generating
         self._changed = asyncio.Condition()
 
     # ---- admission -------------------------------------------------------------------------------
@@ -76,15 +78,34 @@ class StalenessController:
             self.started += 1
             self.running += 1
             self.stats.admitted += 1
+            self._inflight[self.version] += 1
             return self.version
 
-    async def release(self, *, returned: bool = False) -> None:
+    async def release(self, admitted_version: int, *, returned: bool = False) -> None:
         """A group finished generating (returned=True: it was thrown away and its slot is free again)."""
         async with self._changed:
             self.running -= 1
+            self._inflight[admitted_version] -= 1
+            if self._inflight[admitted_version] <= 0:
+                del self._inflight[admitted_version]
             if returned:
                 self.returned += 1
             self._changed.notify_all()
+
+    def must_wait_for(self) -> int:
+        """Groups still generating that the *next* batch must include to stay within max_staleness.
+
+        After this step the trainer is at version+1; a group admitted at version a is then
+        (version + 1 - a) versions old. Groups with a <= version - max_staleness cannot wait for a later
+        batch, so the trainer waits for them instead of training past them. By the admission rule
+        there are at most one batch of them, so they always fit.
+        """
+        limit = self.version - self.max_staleness
+        return sum(n for a, n in self._inflight.items() if a <= limit)
+
+    async def wait_for_oldest(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.must_wait_for() == 0)
 
     async def set_version(self, version: int) -> None:
         async with self._changed:

@@ -104,7 +104,7 @@ class RolloutManager:
             while not self._stopping:
                 version = await self.controller.acquire()
                 if self._stopping:
-                    await self.controller.release(returned=True)
+                    await self.controller.release(version, returned=True)
                     break
                 record = next(self._order)
                 task = asyncio.create_task(self._run_group(record, version))
@@ -136,11 +136,11 @@ class RolloutManager:
             await asyncio.gather(*[self._generate(s) for s in samples])
             await asyncio.gather(*[self._score(s) for s in samples])
         except asyncio.CancelledError:
-            await self.controller.release(returned=True)
+            await self.controller.release(version, returned=True)
             raise
         except Exception:  # noqa: BLE001 - a failed group is counted and its slot given back
             self.counters.failed += 1
-            await self.controller.release(returned=True)
+            await self.controller.release(version, returned=True)
             return
         for s in samples:
             s.timings["group_s"] = time.monotonic() - t0
@@ -148,7 +148,7 @@ class RolloutManager:
         self.counters.groups_done += 1
         self.counters.samples_done += len(samples)
         await self.buffer.put(group)
-        await self.controller.release()
+        await self.controller.release(version)
 
     async def _generate(self, s: Sample) -> None:
         st = self.settings

@@ -34,6 +34,7 @@ class TrainerSettings:
     temperature: float = 1.0  # the rollout temperature: logprobs are compared at the same T
     device: str = "cpu"
     ref_model_path: str | None = None  # KL reference (only loaded when loss.kl_coef > 0)
+    micro_batch_tokens: int = 4096  # padded tokens per forward/backward (gradients accumulate)
 
 
 class Trainer:
@@ -55,50 +56,71 @@ class Trainer:
             self.ref_model = ref.to(self.device).eval().requires_grad_(False)
         self.version = version
 
+    def micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Indices grouped by length so that padded tokens per micro-batch stay under the budget.
+
+        Long-tail responses make one padded batch mostly padding; sorting by length and splitting
+        cuts the trainer's FLOPs to roughly the real token count.
+        """
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        out: list[list[int]] = [[]]
+        for i in order:
+            if out[-1] and lengths[i] * (len(out[-1]) + 1) > self.settings.micro_batch_tokens:
+                out.append([])
+            out[-1].append(i)
+        return out
+
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         cfg = self.settings.loss
         samples = [s for g in groups for s in g.samples]
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, n]
         adv = group_advantages(rewards).reshape(-1)  # [G*n]
-        batch = pack_samples(samples, self.pad_id, self.device)
-        mask = batch.response_mask  # [B, T]
-        logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.settings.temperature)
-        prox = logp.detach()
-        ref = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref = token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask, self.settings.temperature)
-        loss, stats = policy_loss(
-            logp, batch.behav_logp, adv.to(self.device), mask, cfg,
-            prox_logp=None if cfg.kind == "grpo" else prox, ref_logp=ref,
-        )
+        n_loss = sum(sum(s.loss_mask) for s in samples)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        sums = torch.zeros(6, dtype=torch.float64)  # |diff| cur, n cur, |diff| all, staleness, max staleness
+        agg: dict[str, float] = {}
+        for idx in self.micro_batches([len(s.prompt_ids) + s.num_tokens for s in samples]):
+            batch = pack_samples([samples[i] for i in idx], self.pad_id, self.device)
+            mask = batch.response_mask  # [b, T]
+            logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.settings.temperature)
+            prox = logp.detach()  # weights have not moved yet: this *is* pi_prox
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask,
+                                         self.settings.temperature)
+            loss, stats = policy_loss(
+                logp, batch.behav_logp, adv[idx].to(self.device), mask, cfg,
+                prox_logp=None if cfg.kind == "grpo" else prox, ref_logp=ref,
+            )
+            # Token-level loss over the whole batch: weight each micro-batch by its share of tokens.
+            w = int(mask.sum()) / max(n_loss, 1)
+            (loss * w).backward()
+            for k, v in stats.items():
+                agg[k] = agg.get(k, 0.0) + v * w
+            cur = mask & (batch.versions == self.version)
+            diff = (prox - batch.behav_logp).abs()
+            stale = (self.version - batch.versions).clamp(min=0)
+            sums += torch.stack([
+                (diff * cur).sum(), cur.sum(), (diff * mask).sum(), (stale * mask).sum(),
+                torch.zeros(()), torch.zeros(()),
+            ]).double().cpu()
+            if mask.any():
+                sums[4] = max(sums[4], float(torch.where(mask, stale, torch.zeros_like(stale)).max()))
         # max_norm=inf measures the norm without clipping (grad_clip 0 = off).
         clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
-
-        # One host sync for all logged numbers.
-        cur = mask & (batch.versions == self.version)
-        diff = (prox - batch.behav_logp).abs()
-        stale = (self.version - batch.versions).clamp(min=0)
-        nums = torch.stack([
-            (diff * cur).sum() / cur.sum().clamp(min=1),
-            (diff * mask).sum() / mask.sum().clamp(min=1),
-            (stale * mask).sum() / mask.sum().clamp(min=1),
-            torch.where(mask, stale, torch.zeros_like(stale)).max() if mask.any() else torch.zeros(()),
-            grad_norm.detach().float(),
-            cur.sum().float(),
-        ]).tolist()
         self.version += 1
-        stats.update(
+        d, n_cur, d_all, st, st_max = (float(x) for x in sums[:5])
+        agg.update(
             # Only tokens of the current version can be compared like for like; None if there are none.
-            logprob_mismatch=nums[0] if nums[5] > 0 else None, logprob_diff_all=nums[1], staleness_mean=nums[2],
-            staleness_max=nums[3], grad_norm=nums[4] if math.isfinite(nums[4]) else float("nan"),
-            reward_mean=float(rewards.mean()), trained_samples=len(samples), trained_tokens=int(mask.sum()),
+            logprob_mismatch=d / n_cur if n_cur > 0 else None, logprob_diff_all=d_all / max(n_loss, 1),
+            staleness_mean=st / max(n_loss, 1), staleness_max=st_max,
+            grad_norm=grad_norm if math.isfinite(grad_norm) else float("nan"),
+            reward_mean=float(rewards.mean()), trained_samples=len(samples), trained_tokens=n_loss,
         )
-        return stats
+        return agg
 
     def state_dict_for_engines(self) -> dict[str, torch.Tensor]:
         """Detached tensors the engines copy from; valid until the next train_step mutates them."""

@@ -16,20 +16,18 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from .server import (
+from .common import (
     SSE_DONE,
     BadRequest,
-    GenItem,
     ServerState,
-    Streams,
     convert,
-    feed,
     json_response,
     read_json,
     sse,
     start_sse,
     state_of,
 )
+from .streams import GenItem, Streams, feed
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -235,7 +233,8 @@ def _chat_prompt(st: ServerState, messages: Any) -> list[int]:
         norm.append({"role": role, "content": content})
     tok = getattr(st.engine, "tokenizer", None)
     if tok is not None and getattr(tok, "chat_template", None):
-        return st.tokenize(tok.apply_chat_template(norm, add_generation_prompt=True, tokenize=False))
+        text = tok.apply_chat_template(norm, add_generation_prompt=True, tokenize=False)
+        return st.tokenize(text, add_special_tokens=False)  # the template already has them
     return st.tokenize("".join(f"{m['role']}: {m['content']}\n" for m in norm))
 
 

@@ -1,0 +1,111 @@
+"""Distributed weight updates over gloo: SGLang's init / update / destroy weights-update-group routes.
+
+The trainer side of the group is `GlooWeightSender` (in `client.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from .common import BadRequest, ServerState, convert, json_response, read_json, state_of
+from .control import apply_weights
+
+
+class InitGroupReq(msgspec.Struct):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    timeout_s: float = 600.0  # streamrl extra: how long a rendezvous / broadcast may block
+
+
+class UpdateDistributedReq(msgspec.Struct):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyGroupReq(msgspec.Struct):
+    group_name: str = "weight_update_group"
+
+
+def _connect_gloo(req: InitGroupReq) -> Any:
+    """Join the trainer's group as rank `rank_offset` (rank 0, the trainer, hosts the TCP store; the
+    store prefix is the one torch's `new_group` and SGLang's custom groups use)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=req.timeout_s)
+    store = dist.TCPStore(req.master_address, req.master_port, req.world_size, False, timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"{req.group_name}/", store), req.rank_offset, req.world_size, timeout)
+
+
+def _receive(pg: Any, req: UpdateDistributedReq) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    for name, dtype, shape in zip(req.names, req.dtypes, req.shapes, strict=True):
+        t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+        pg.broadcast(t, 0).wait()  # from rank 0, the trainer
+        out[name] = t
+    return out
+
+
+def _groups(st: ServerState) -> dict[str, Any]:
+    return st.extra.setdefault("groups", {})
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    st = state_of(request)
+    req = convert(await read_json(request), InitGroupReq)
+    if req.backend != "gloo":
+        msg, ok = f"backend {req.backend!r} is not supported: streamrl serve joins weight-update groups over gloo", False
+    elif req.group_name in _groups(st):
+        msg, ok = f"group {req.group_name!r} already exists", False
+    else:
+        try:
+            _groups(st)[req.group_name] = await asyncio.to_thread(_connect_gloo, req)
+            msg, ok = "Succeeded to initialize custom process group.", True
+        except Exception as e:  # noqa: BLE001 - reported as success=False, as SGLang does
+            msg, ok = f"Failed to initialize custom process group: {e}", False
+    return json_response({"success": ok, "message": msg}, 200 if ok else 400)
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    st = state_of(request)
+    req = convert(await read_json(request), UpdateDistributedReq)
+    if not len(req.names) == len(req.dtypes) == len(req.shapes):
+        raise BadRequest("names, dtypes and shapes must have the same length")
+    import torch
+
+    bad = [d for d in req.dtypes if not isinstance(getattr(torch, d.removeprefix("torch."), None), torch.dtype)]
+    if bad:
+        raise BadRequest(f"unknown dtype {bad[0]!r}")
+    pg = _groups(st).get(req.group_name)
+    if pg is None:
+        return json_response({"success": False, "message": f"no weight-update group {req.group_name!r}"}, 400)
+
+    async def load(version: str) -> None:
+        tensors = await asyncio.to_thread(_receive, pg, req)  # generation goes on meanwhile
+        await st.engine.update_weights_from_state_dict(tensors, version)
+
+    ok, msg, _ = await apply_weights(st, load, req.weight_version, req.abort_all_requests)
+    return json_response({"success": ok, "message": msg}, 200 if ok else 400)
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    req = convert(await read_json(request), DestroyGroupReq)
+    ok = _groups(state_of(request)).pop(req.group_name, None) is not None
+    msg = "Succeeded to destroy custom process group." if ok else f"no weight-update group {req.group_name!r}"
+    return json_response({"success": ok, "message": msg}, 200 if ok else 400)
