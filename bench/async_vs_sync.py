@@ -1,7 +1,7 @@
 """Synchronous vs asynchronous training on a long-tail response-length task, one process run.
 
 Task "repeat": `"37*3="` -> `"37,37,37"`. 90% of prompts repeat 1-2 times (2-5 answer tokens), 10%
-repeat 8-12 times (23-35 tokens): most answers short, a few ten times longer — the shape of real
+repeat 16-28 times (47-83 tokens): most answers short, a few 20x longer — the shape of real
 reasoning rollouts, where synchronous RL waits for the slowest sample of every batch.
 
 Every mode uses the same model (a tiny model warm-started on the task with sloppy labels), seed, task
@@ -39,15 +39,24 @@ MODES: dict[str, dict] = {
     "eta2": {"controller": {"max_staleness": 2}},
     "eta4": {"controller": {"max_staleness": 4}},
     "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
+    "eta2-trainer2threads": {"controller": {"max_staleness": 2}, "trainer": {"threads": 2}},
 }
 
 
-def make_records(n: int, seed: int) -> list[dict]:
+# Tail shapes: (fraction of long answers, repeat range of long answers, model context, max_new_tokens).
+TAILS = {
+    "mild": (0.10, (16, 28), 128, 96),  # long answers 47-83 tokens
+    "heavy": (0.04, (60, 90), 320, 280),  # long answers 179-269 tokens
+}
+
+
+def make_records(n: int, seed: int, tail: str) -> list[dict]:
+    frac, (lo, hi), _, _ = TAILS[tail]
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         a = rng.randint(10, 99)
-        k = rng.randint(8, 12) if rng.random() < 0.1 else rng.randint(1, 2)
+        k = rng.randint(lo, hi) if rng.random() < frac else rng.randint(1, 2)
         out.append({"prompt": f"{a}*{k}=", "answer": ",".join([str(a)] * k)})
     return out
 
@@ -63,27 +72,35 @@ def warm_start(model_dir: Path, records: list[dict], steps: int, seed: int) -> N
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    short = [r for r in records if r["answer"].count(",") < 2]
+    long_ = [r for r in records if r["answer"].count(",") >= 2]
     for _ in range(steps):
-        batch = rng.sample(records, 128)
-        seqs, starts = [], []
-        for r in batch:
-            a, k = r["prompt"][:-1].split("*")
-            k = max(1, int(k) + (rng.choice([-1, 1]) if rng.random() < 0.3 else 0))
-            p = [tok.bos_token_id, *enc(r["prompt"])]
-            seqs.append(p + enc(",".join([a] * k)) + [tok.eos_token_id])
-            starts.append(len(p))
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-        pos = torch.arange(width - 1)
-        lens, first = torch.tensor([len(s) for s in seqs]), torch.tensor(starts)
-        mask = (pos >= first[:, None] - 1) & (pos < lens[:, None] - 1)
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = F.cross_entropy(logits[mask], ids[:, 1:][mask])
-        opt.zero_grad()
-        loss.backward()
+        # Short and long examples in separate micro-batches: padding a batch to the longest answer
+        # would make the warm start ~20x more expensive.
+        for part in (rng.sample(short, 128), rng.sample(long_, min(8, len(long_)))):
+            _sft_step(model, tok, part, rng, enc, scale=len(part) / 136)
         opt.step()
         sched.step()
+        opt.zero_grad()
     model.save_pretrained(model_dir)
+
+
+def _sft_step(model, tok, batch: list[dict], rng: random.Random, enc, scale: float) -> None:  # noqa: ANN001
+    seqs, starts = [], []
+    for r in batch:
+        a, k = r["prompt"][:-1].split("*")
+        k = max(1, int(k) + (rng.choice([-1, 1]) if rng.random() < 0.3 else 0))
+        p = [tok.bos_token_id, *enc(r["prompt"])]
+        seqs.append(p + enc(",".join([a] * k)) + [tok.eos_token_id])
+        starts.append(len(p))
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    pos = torch.arange(width - 1)
+    lens, first = torch.tensor([len(s) for s in seqs]), torch.tensor(starts)
+    mask = (pos >= first[:, None] - 1) & (pos < lens[:, None] - 1)
+    logits = model(input_ids=ids[:, :-1]).logits
+    loss = F.cross_entropy(logits[mask], ids[:, 1:][mask])
+    (loss * scale).backward()
 
 
 def run_mode(name: str, overrides: dict, base: dict) -> dict:
@@ -120,11 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--warm-steps", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pool", default="http", choices=["http", "local"])
+    ap.add_argument("--tail", default="mild", choices=sorted(TAILS))
+    ap.add_argument("--work-dir", default=None, help="keep model and runs here instead of a temp dir")
     ap.add_argument("--out", default=str(RESULTS / "async_vs_sync.json"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "model", preset="tiny", seed=args.seed)
-        records = make_records(4000, args.seed)
+        tmp = args.work_dir or tmp
+        _, _, context, max_new = TAILS[args.tail]
+        model_dir = build_tiny_model(Path(tmp) / "model", preset="tiny", seed=args.seed,
+                                     max_position_embeddings=context)
+        records = make_records(4000, args.seed, args.tail)
         data = Path(tmp) / "repeat.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in records))
         t0 = time.perf_counter()
@@ -135,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             "run_dir": str(Path(tmp) / "runs"), "seed": args.seed,
             "model": {"path": str(model_dir), "init": "none"},
             "data": {"task": None, "path": str(data), "eval_size": 64},
-            "engines": {"max_running_requests": 128},
-            "rollout": {"group_size": 8, "max_new_tokens": 40, "temperature": 1.0},
+            # Engines in their own processes (`streamrl serve`), as in production: no GIL shared with the
+            # trainer. `--pool local` keeps them in-process for comparison.
+            "engines": {"max_running_requests": 128, "pool": args.pool},
+            "rollout": {"group_size": 8, "max_new_tokens": max_new, "temperature": 1.0},
             "trainer": {"steps": args.steps, "batch_groups": 8, "lr": 3e-5, "loss": "decoupled_ppo"},
         }
         rows = []
@@ -161,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row(*[str(r[c]) for c in cols])
     Console().print(t)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
+    meta = {"tail": args.tail, "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
             "python": sys.version.split()[0]}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     print(f"wrote {args.out}")

@@ -72,6 +72,20 @@ def load_task(cfg: Config) -> TaskData:
 
 def build_pool(cfg: Config, model_dir: str) -> EnginePool:
     e = cfg.engines
+    if e.pool == "http":
+        from .rollout.http_pool import HttpPool, launch_servers
+
+        log_dir = Path(cfg.run_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        router = dict(router=e.router, router_log=log_dir / "router.log")
+        if e.urls:
+            return HttpPool(e.urls, **router)  # type: ignore[return-value, arg-type]
+        servers = launch_servers(
+            e.num_replicas, model_dir, Path(cfg.run_dir), device=resolve_device(cfg.model.device),
+            dtype=cfg.model.dtype, max_running_requests=e.max_running_requests, threads=e.threads,
+            weight_version="0",
+        )
+        return HttpPool(launch=servers, **router)  # type: ignore[return-value, arg-type]
     if e.pool == "local":
         engines = [
             TorchEngine(

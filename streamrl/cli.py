@@ -1,4 +1,4 @@
-"""The `streamrl` command: run | init-model | config | generate.
+"""The `streamrl` command: run | serve | init-model | config | generate.
 
 Configuration errors print one line (`config error: <key>: <problem>`) and exit with status 2.
 """
@@ -68,6 +68,12 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .engine.http.server import main as serve_main
+
+    return int(serve_main(args.rest) or 0)
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from .config import ConfigError, describe_config, load_config
 
@@ -116,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. trainer.steps=50")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.set_defaults(fn=_cmd_run)
+
+    p = sub.add_parser("serve", help="an SGLang-compatible HTTP server for a model (see docs/http.md)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=_cmd_serve)
 
     p = sub.add_parser("init-model", help="write a tiny random HF model folder (offline)")
     p.add_argument("dir")

@@ -85,8 +85,10 @@ class EnginesConfig(_Section):
     num_replicas: Annotated[int, _d("engine replicas (local / ray_serve)", ge=1)] = 1
     max_running_requests: Annotated[int, _d("concurrent requests per replica", ge=1)] = 64
     max_total_tokens: Annotated[PosIntOrNone, _d("KV-cache tokens per replica; null = engine decides")] = None
-    urls: Annotated[list[str], _d("server URLs for pool=http")] = msgspec.field(default_factory=list)
-    router: Annotated[str | None, _d("sglang-router URL before the servers; null = route in-process")] = None
+    urls: Annotated[list[str], _d("server URLs for pool=http; empty = launch num_replicas `streamrl serve`")] = (
+        msgspec.field(default_factory=list)
+    )
+    router: Annotated[str | None, _d("sglang-router URL, or 'launch' to start one; null = route in-process")] = None
     backend: Annotated[Literal["sglang", "vllm"], _d("server flavour for pool=http / ray_serve")] = "sglang"
     cpus_per_replica: Annotated[float, _d("CPUs reserved per Ray replica", ge=0)] = 1.0
     gpus_per_replica: Annotated[float, _d("GPUs reserved per Ray replica", ge=0)] = 0.0
@@ -439,13 +441,13 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             "engines.max_total_tokens",
             f"must be >= rollout.max_new_tokens ({cfg.rollout.max_new_tokens}), got {e.max_total_tokens}",
         )
-    if e.pool == "http" and not e.urls:
-        raise ConfigError("engines.urls", "pool 'http' needs at least one server URL, got []")
+    if e.pool == "http" and e.router and e.router != "launch" and not e.urls:
+        raise ConfigError("engines.urls", "a router needs the worker URLs too (control calls go to every worker)")
     for i, url in enumerate(e.urls):
         if not _URL_RE.match(url):
             raise ConfigError(f"engines.urls[{i}]", f"expected an http:// or https:// URL, got '{url}'")
-    if e.router is not None and not _URL_RE.match(e.router):
-        raise ConfigError("engines.router", f"expected an http:// or https:// URL, got '{e.router}'")
+    if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):
+        raise ConfigError("engines.router", f"expected an http:// or https:// URL or 'launch', got '{e.router}'")
     cap = cfg.buffer.capacity
     if cap is not None and cap < cfg.trainer.batch_groups:
         raise ConfigError(

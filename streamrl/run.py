@@ -73,7 +73,7 @@ async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
 
 
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
-    if cfg.engines.pool != "local":
+    if cfg.engines.pool == "ray_serve":
         raise ConfigError("engines.pool", f"pool '{cfg.engines.pool}' is not available yet in this build; use local")
     task: TaskData = load_task(cfg)  # first: a bad dataset or reward spec stops before any work
     run_dir = Path(cfg.run_dir)
@@ -139,10 +139,14 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
                 wait_s = time.perf_counter() - tw
                 if samples_file is not None:
                     samples_file.write(encode_jsonl(groups))
+                t_train = time.perf_counter()
                 stats = await loop.run_in_executor(train_exec, trainer.train_step, groups)
+                train_s = time.perf_counter() - t_train
                 sync_s = await sync_weights(pool, trainer)
                 await ctl.set_version(trainer.version)
                 samples_total += stats["trained_samples"]
+                if hasattr(pool, "refresh_stats"):
+                    await pool.refresh_stats()
                 now, ps = time.perf_counter(), pool.stats()
                 dt = now - last["t"]
                 c = manager.counters
@@ -158,7 +162,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
                     "tokens_discarded": (c.tokens_discarded + ctl.stats.dropped_tokens) - last["discarded"],
                     "dropped_stale": ctl.stats.dropped_stale - last["dropped"],
                     "engine_idle_frac": max(0.0, 1 - (ps["busy_s"] - last["busy"]) / (dt * pool.num_replicas)),
-                    "trainer_wait_s": wait_s, "weight_sync_s": sync_s,
+                    "trainer_wait_s": wait_s, "train_s": train_s, "weight_sync_s": sync_s,
                     "clip_frac": stats.get("clip_frac", 0.0), "grad_norm": stats["grad_norm"],
                     "buffer_size": len(buffer),
                 }

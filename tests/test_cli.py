@@ -24,7 +24,7 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
     ("trainer: [1, 2\n", [], "invalid YAML"),
     ("", ["trainer.nope=1"], "trainer.nope"),
     ("", ["trainer.lr=0"], "trainer.lr"),
-    ("engines:\n  pool: http\n", [], "engines.urls"),
+    ("engines:\n  pool: http\n  router: http://127.0.0.1:1\n", [], "engines.urls"),
     ("data:\n  path: /nonexistent.jsonl\n", [], "data"),
     ("data:\n  reward: no_such_module_xyz:score\n", [], "data.reward"),
     ("data:\n  reward: json:no_such_function\n", [], "data.reward"),

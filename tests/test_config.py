@@ -108,11 +108,11 @@ def test_data_path(tmp_path: Path) -> None:
         ),
         (
             ["data.reward=not_a_spec"],
-            "config error: data.reward: expected 'module:function', got 'not_a_spec'",
+            "config error: data.reward: expected 'module:function' or 'file.py:function', got 'not_a_spec'",
         ),
         (
-            ["engines.pool=http"],
-            "config error: engines.urls: pool 'http' needs at least one server URL, got []",
+            ["engines.pool=http", "engines.router=http://127.0.0.1:1"],
+            "config error: engines.urls: a router needs the worker URLs too (control calls go to every worker)",
         ),
         (
             ["engines.pool=http", "engines.urls=[ftp://x]"],

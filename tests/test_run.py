@@ -153,3 +153,23 @@ async def test_custom_dataset_and_async_reward(tmp_path: Path, tiny_model_dir: P
     for g in groups:
         for s in g.samples:
             assert s.reward == pytest.approx(len(s.response_text) / 10)
+
+
+async def test_http_pool_launches_servers_behind_the_real_router(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Engines in their own `streamrl serve` processes behind sglang-router; on-policy logprobs still
+    match the trainer's after a JSON round trip, and weight updates reach both servers."""
+    cfg = config_from_dict(small_cfg(
+        tmp_path, tiny_model_dir, controller={"max_staleness": 0}, trainer={"steps": 4},
+        engines={"pool": "http", "num_replicas": 2, "router": "launch", "max_running_requests": 16},
+        data={"reward": f"{REPO / 'tests' / 'rewards_for_tests.py'}:length_reward"},
+    ))
+    summary = await run(cfg, show_progress=False, log=lambda *_: None)
+    rows = read_metrics(Path(cfg.run_dir))
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["logprob_mismatch"] is not None and r["logprob_mismatch"] < 1e-4 for r in rows)
+    logs = Path(cfg.run_dir) / "logs"
+    assert {p.name for p in logs.iterdir()} >= {"engine-0.log", "engine-1.log", "router.log"}
+    for i in range(2):  # both workers served generation and loaded every new version
+        text = (logs / f"engine-{i}.log").read_text()
+        assert "listening on http://127.0.0.1:" in text
+    assert summary["eval_after"]["greedy"] >= 0.0

@@ -1,0 +1,256 @@
+"""HttpPool: engines behind SGLang's native HTTP API, in their own processes.
+
+Either streamrl launches `streamrl serve` processes itself (`engines.pool: http` without `urls`: one
+server per replica on a free 127.0.0.1 port) or it connects to servers the user runs (`urls`: real
+SGLang servers or `streamrl serve`). Generation goes to the least-loaded server with `return_logprob`;
+control calls (pause, resume, abort_all, weight updates) go to every server. Weights travel through a
+safetensors folder (in /dev/shm when available) and `/update_weights_from_disk`.
+
+Training never shares a process with generation here: no GIL or thread-pool contention between the
+trainer and the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..engine.http.client import SGLangClient
+
+_LISTEN = re.compile(r"listening on (http://\S+)")
+
+
+class ServerProcess:
+    """One `streamrl serve` child process on a free port."""
+
+    def __init__(self, model_dir: str, *, device: str, dtype: str, max_running_requests: int,
+                 threads: int, weight_version: str, log_path: Path) -> None:
+        self.cmd = [
+            sys.executable, "-m", "streamrl.engine.http.server", "--model", model_dir, "--port", "0",
+            "--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests),
+            "--num-threads", str(threads), "--weight-version", weight_version,
+        ]
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.url: str | None = None
+
+    async def start(self, timeout: float = 120.0) -> str:
+        env = {**os.environ, "OMP_NUM_THREADS": self.cmd[-3], "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+        )
+        log = self.log_path.open("a")
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = await asyncio.wait_for(self.proc.stdout.readline(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                await self.stop()
+                raise RuntimeError(f"engine server did not start within {timeout:.0f} s; see {self.log_path}") from None
+            if not line:
+                code = await self.proc.wait()
+                raise RuntimeError(f"engine server exited with status {code} before listening; see {self.log_path}")
+            text = line.decode(errors="replace")
+            log.write(text)
+            log.flush()
+            m = _LISTEN.search(text)
+            if m:
+                self.url = m.group(1)
+                break
+        # Keep draining output so the child never blocks on a full pipe.
+        self._drain = asyncio.create_task(self._pump(log))
+        return self.url
+
+    async def _pump(self, log: Any) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with log:
+            async for line in self.proc.stdout:
+                log.write(line.decode(errors="replace"))
+                log.flush()
+
+    async def stop(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self.proc.terminate()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 15)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+class RouterProcess:
+    """The real sglang-router (PyPI `sglang-router`) in front of the workers, round robin.
+
+    Its hub tokenizer fetch is pointed at a dead local address (no network here), and its Prometheus
+    endpoint is bound to 127.0.0.1 on a free port instead of 0.0.0.0:29000.
+    """
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.url: str | None = None
+
+    async def start(self, worker_urls: list[str], timeout: float = 60.0) -> str:
+        port, prom = _free_port(), _free_port()
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+        env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+        log = self.log_path.open("ab")
+        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=log, stderr=log, env=env)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        async with SGLangClient(self.url) as c:
+            while True:  # up, and every worker registered (the router probes them first)
+                try:
+                    workers = (await c.request("GET", "/workers")).get("workers", [])
+                    if len(workers) >= len(worker_urls) and all(w.get("is_healthy", True) for w in workers):
+                        return self.url
+                except Exception:  # noqa: BLE001 - not listening yet
+                    pass
+                if self.proc.returncode is not None or time.monotonic() > deadline:
+                    await self.stop()
+                    raise RuntimeError(f"sglang-router did not come up; see {self.log_path}")
+                await asyncio.sleep(0.2)
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class HttpPool:
+    """Generation to the router (if any) or the least-loaded worker; control calls to every worker.
+
+    The router re-encodes requests and drops unknown fields, and retries a non-streaming request on
+    another worker when one dies: so request ids stay unique per attempt and nothing rides in custom
+    fields; a retried request simply produces a fresh, complete result.
+    """
+
+    def __init__(self, urls: list[str] | None = None, *, launch: list[ServerProcess] | None = None,
+                 router: str | None = None, router_log: Path | None = None, api_key: str | None = None) -> None:
+        self.urls = list(urls or [])
+        self.servers = launch or []
+        self.router_url = router if router and router != "launch" else None
+        self.router_proc = RouterProcess(router_log or Path(tempfile.mktemp())) if router == "launch" else None
+        self.router_client: SGLangClient | None = None
+        self.api_key = api_key
+        self.num_replicas = len(self.urls) + len(self.servers)
+        self.clients: list[SGLangClient] = []
+        self._inflight: list[int] = []
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="streamrl-weights-", dir=_fast_tmp()))
+        self._busy_s = 0.0
+
+    async def start(self) -> None:
+        if self.servers:
+            self.urls += await asyncio.gather(*[s.start() for s in self.servers])
+        self.clients = [SGLangClient(u, self.api_key, timeout=None) for u in self.urls]
+        self._inflight = [0] * len(self.clients)
+        for c, u in zip(self.clients, self.urls, strict=True):
+            if not await c.health():
+                raise RuntimeError(f"engine server {u} is not healthy")
+        if self.router_proc is not None:
+            self.router_url = await self.router_proc.start(self.urls)
+        if self.router_url:
+            self.router_client = SGLangClient(self.router_url, self.api_key, timeout=None)
+
+    async def aclose(self) -> None:
+        if self.router_client is not None:
+            await self.router_client.aclose()
+        if self.router_proc is not None:
+            await self.router_proc.stop()
+        for c in self.clients:
+            await c.aclose()
+        await asyncio.gather(*[s.stop() for s in self.servers])
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
+        if self.router_client is not None:
+            return await self.router_client.generate(input_ids, sampling_params, rid, return_logprob=True)
+        i = min(range(len(self.clients)), key=self._inflight.__getitem__)
+        self._inflight[i] += 1
+        try:
+            return await self.clients[i].generate(input_ids, sampling_params, rid, return_logprob=True)
+        finally:
+            self._inflight[i] -= 1
+
+    async def abort_all(self) -> None:
+        await asyncio.gather(*[c.abort_all() for c in self.clients])
+
+    async def pause(self, mode: str = "abort") -> None:
+        self._resumed.clear()
+        await asyncio.gather(*[c.pause(mode) for c in self.clients])
+
+    async def resume(self) -> None:
+        await asyncio.gather(*[c.resume() for c in self.clients])
+        self._resumed.set()
+
+    async def wait_resumed(self) -> None:
+        await self._resumed.wait()
+
+    async def update_weights(self, named_tensors: Any, version: int) -> None:
+        from safetensors.torch import save_file
+
+        folder = self._weights_dir / f"v{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in dict(named_tensors).items()}
+        # Tied weights share storage; safetensors refuses shared tensors, and the engine copies both names.
+        seen: dict[int, str] = {}
+        for k in list(tensors):
+            ptr = tensors[k].data_ptr()
+            if ptr in seen:
+                tensors[k] = tensors[k].clone()
+            seen[ptr] = k
+        await asyncio.to_thread(save_file, tensors, str(folder / "model.safetensors"))
+        try:
+            await asyncio.gather(*[c.update_weights_from_disk(str(folder), str(version)) for c in self.clients])
+        finally:
+            with contextlib.suppress(OSError):
+                for old in self._weights_dir.iterdir():
+                    if old != folder:
+                        shutil.rmtree(old, ignore_errors=True)
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": sum(self._inflight), "busy_s": self._busy_s, "replicas": self.urls}
+
+    async def refresh_stats(self) -> None:
+        """Engine busy time summed over servers (from /server_info), for the idle-fraction metric."""
+        infos = await asyncio.gather(*[c.server_info() for c in self.clients], return_exceptions=True)
+        busy = 0.0
+        for info in infos:
+            if isinstance(info, dict):
+                busy += sum(float(st.get("busy_s", 0.0)) for st in info.get("internal_states", []))
+        self._busy_s = busy
+
+
+def _fast_tmp() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def launch_servers(n: int, model_dir: str, run_dir: Path, **kw: Any) -> list[ServerProcess]:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return [ServerProcess(model_dir, log_path=run_dir / "logs" / f"engine-{i}.log", **kw) for i in range(n)]
