@@ -4,6 +4,7 @@ control contract (abort, pause/resume, weight updates, memory, bad requests)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,11 @@ def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float 
     return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)]
 
 
+DEVICE = os.environ.get("STREAMRL_TEST_DEVICE", "cpu")  # `cuda` runs the same contract on a GPU
+
+
 def engine(path: Path, **kw) -> TorchEngine:
-    kw.setdefault("device", "cpu")
+    kw.setdefault("device", DEVICE)
     kw.setdefault("max_running_requests", 8)
     return TorchEngine(str(path), **kw)
 
