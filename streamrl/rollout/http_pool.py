@@ -78,14 +78,7 @@ class ServerProcess:
                 log.flush()
 
     async def stop(self) -> None:
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        self.proc.terminate()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 15)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
+        await _terminate(self.proc, 15)
 
 
 class RouterProcess:
@@ -124,13 +117,19 @@ class RouterProcess:
                 await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 10)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+        await _terminate(self.proc, 10)
+
+
+async def _terminate(proc: asyncio.subprocess.Process | None, grace: float) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds."""
+    if proc is None or proc.returncode is not None:
+        return
+    proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), grace)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
 
 
 def _free_port() -> int:
