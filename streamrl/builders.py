@@ -77,7 +77,7 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
 
         log_dir = Path(cfg.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        router = dict(router=e.router, router_log=log_dir / "router.log")
+        router = dict(router=e.router, router_log=log_dir / "router.log", weight_sync=e.weight_sync)
         if e.urls:
             return HttpPool(e.urls, **router)  # type: ignore[return-value, arg-type]
         servers = launch_servers(

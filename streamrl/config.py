@@ -93,6 +93,9 @@ class EnginesConfig(_Section):
     cpus_per_replica: Annotated[float, _d("CPUs reserved per Ray replica", ge=0)] = 1.0
     gpus_per_replica: Annotated[float, _d("GPUs reserved per Ray replica", ge=0)] = 0.0
     threads: Annotated[int, _d("torch CPU threads per embedded engine", ge=1)] = 1
+    weight_sync: Annotated[Literal["disk", "distributed"], _d("pool=http: safetensors folder or gloo broadcast")] = (
+        "disk"
+    )
 
 
 class RolloutConfig(_Section):

@@ -173,3 +173,17 @@ async def test_http_pool_launches_servers_behind_the_real_router(tmp_path: Path,
         text = (logs / f"engine-{i}.log").read_text()
         assert "listening on http://127.0.0.1:" in text
     assert summary["eval_after"]["greedy"] >= 0.0
+
+
+async def test_http_pool_gloo_weight_sync(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Weights broadcast over gloo (`/update_weights_from_distributed`) instead of a disk folder."""
+    cfg = config_from_dict(small_cfg(
+        tmp_path, tiny_model_dir, controller={"max_staleness": 0}, trainer={"steps": 3},
+        engines={"pool": "http", "num_replicas": 2, "weight_sync": "distributed", "max_running_requests": 16},
+        data={"reward": f"{REPO / 'tests' / 'rewards_for_tests.py'}:length_reward"},
+    ))
+    await run(cfg, show_progress=False, log=lambda *_: None)
+    rows = read_metrics(Path(cfg.run_dir))
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    # Had a server missed an update, its logprobs would differ from the trainer's new weights.
+    assert all(r["logprob_mismatch"] is not None and r["logprob_mismatch"] < 1e-4 for r in rows)

@@ -149,7 +149,12 @@ class HttpPool:
     """
 
     def __init__(self, urls: list[str] | None = None, *, launch: list[ServerProcess] | None = None,
-                 router: str | None = None, router_log: Path | None = None, api_key: str | None = None) -> None:
+                 router: str | None = None, router_log: Path | None = None, api_key: str | None = None,
+                 weight_sync: str = "disk") -> None:
+        if weight_sync not in ("disk", "distributed"):
+            raise ValueError(f"weight_sync must be disk or distributed, got {weight_sync!r}")
+        self.weight_sync = weight_sync
+        self._sender: Any = None
         self.urls = list(urls or [])
         self.servers = launch or []
         self.router_url = router if router and router != "launch" else None
@@ -172,12 +177,16 @@ class HttpPool:
         for c, u in zip(self.clients, self.urls, strict=True):
             if not await c.health():
                 raise RuntimeError(f"engine server {u} is not healthy")
+        if self.weight_sync == "distributed":
+            await self._connect_gloo()
         if self.router_proc is not None:
             self.router_url = await self.router_proc.start(self.urls)
         if self.router_url:
             self.router_client = SGLangClient(self.router_url, self.api_key, timeout=None)
 
     async def aclose(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
         if self.router_client is not None:
             await self.router_client.aclose()
         if self.router_proc is not None:
@@ -211,7 +220,31 @@ class HttpPool:
     async def wait_resumed(self) -> None:
         await self._resumed.wait()
 
+    async def _connect_gloo(self) -> None:
+        """One gloo group: the trainer is rank 0, server i joins as rank i + 1 (SGLang's protocol)."""
+        from ..engine.http.client import GlooWeightSender
+
+        self._sender = s = GlooWeightSender("127.0.0.1", 0, world_size=len(self.clients) + 1)
+        await asyncio.gather(asyncio.to_thread(s.connect), *[
+            c.init_weights_update_group(s.master_address, s.master_port, i + 1, s.world_size, s.group_name)
+            for i, c in enumerate(self.clients)
+        ])
+
+    async def _send_gloo(self, named_tensors: Any, version: int) -> None:
+        s = self._sender
+        tensors = [(n, t.detach().contiguous().cpu()) for n, t in dict(named_tensors).items()]
+        names = [n for n, _ in tensors]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
+        # Every server must be receiving while rank 0 broadcasts: run both sides together.
+        await asyncio.gather(asyncio.to_thread(s.broadcast, tensors), *[
+            c.update_weights_from_distributed(names, dtypes, shapes, str(version), s.group_name) for c in self.clients
+        ])
+
     async def update_weights(self, named_tensors: Any, version: int) -> None:
+        if self.weight_sync == "distributed":
+            await self._send_gloo(named_tensors, version)
+            return
         from safetensors.torch import save_file
 
         folder = self._weights_dir / f"v{version}"
