@@ -276,6 +276,13 @@ async def test_adapter_plumbing_against_fake_sglang(monkeypatch: pytest.MonkeyPa
             [("blob", ("w",)), ("blob", ("w",))], "9") in tm.calls  # one payload per TP rank
 
 
+def test_adapter_refuses_incremental_stream_chunks() -> None:
+    fake = FakeSGLang()
+    fake.tokenizer_manager.server_args.incremental_streaming_output = True
+    with pytest.raises(EngineError, match="cumulative"):
+        SGLangEngine(engine=fake)
+
+
 # ---- launcher -------------------------------------------------------------------------------------------
 def test_launcher_command_line() -> None:
     cmd = build_command("/m/qwen", 30123, ["--tp-size", "2", "--mem-fraction-static=0.5"], python="/py")

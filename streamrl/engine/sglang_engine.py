@@ -178,6 +178,15 @@ class SGLangEngine:
             # python/sglang/srt/entrypoints/engine.py: Engine(**kwargs) builds ServerArgs(**kwargs) and
             # launches the scheduler / detokenizer processes; it blocks until the model is loaded.
             engine = sglang.Engine(model_path=model_path, **server_args)
+            try:
+                self._setup(engine, model_path, weight_version)
+            except BaseException:
+                engine.shutdown()  # ours: do not leave its scheduler processes behind
+                raise
+        else:
+            self._setup(engine, model_path, weight_version)
+
+    def _setup(self, engine: Any, model_path: str | None, weight_version: str) -> None:
         self._engine = engine
         self.model_path = model_path
         self._version = weight_version

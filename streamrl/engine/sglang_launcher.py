@@ -97,6 +97,7 @@ class SGLangServer:
         self.env = {**os.environ, **(env or {})}
         self.stop_grace = stop_grace
         self.proc: asyncio.subprocess.Process | None = None
+        self._reaped = False
 
     async def __aenter__(self) -> SGLangServer:
         await self.start()
@@ -129,20 +130,27 @@ class SGLangServer:
                 *self.cmd, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
                 start_new_session=True,
             )
+        self._reaped = False
+        try:
+            return await self._wait_healthy(timeout, poll_s)
+        except BaseException:  # failed, timed out or cancelled: leave no server behind
+            await self.stop()
+            raise
+
+    async def _wait_healthy(self, timeout: float, poll_s: float) -> str:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         probe = f"{self.url}/health_generate"
         async with aiohttp.ClientSession() as session:
             while True:
                 if self.proc.returncode is not None:
                     code = self.proc.returncode
-                    await self.stop()
                     raise SGLangLaunchError(
                         f"SGLang server exited with status {code} before becoming healthy "
                         f"({' '.join(self.cmd)}); log {self.log_path}:\n{_tail(self.log_path)}"
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    await self.stop()
                     raise SGLangLaunchError(
                         f"SGLang server at {self.url} was not healthy (GET /health_generate) within "
                         f"{timeout:.0f} s; log {self.log_path}:\n{_tail(self.log_path)}"
@@ -160,7 +168,7 @@ class SGLangServer:
         (default `stop_grace`)."""
         grace = self.stop_grace if grace is None else grace
         proc = self.proc
-        if proc is None:
+        if proc is None or self._reaped:
             return
         pgid = proc.pid  # start_new_session: the child leads its own group
         if proc.returncode is None:
@@ -172,3 +180,4 @@ class SGLangServer:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
         await proc.wait()
+        self._reaped = True  # its group id may be reused from now on: never signal it again
