@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -32,12 +34,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_async(coro):  # noqa: ANN001, ANN202
+    """Run `coro`; SIGINT and SIGTERM cancel it, so its cleanup (engine servers, routers) runs."""
+
+    async def guarded():  # noqa: ANN202
+        task = asyncio.ensure_future(coro)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+
     try:
         import uvloop
 
-        return uvloop.run(coro)
+        return uvloop.run(guarded())
     except ImportError:
-        return asyncio.run(coro)
+        return asyncio.run(guarded())
 
 
 def _print_summary(s: dict) -> None:

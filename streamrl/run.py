@@ -119,8 +119,8 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     summary: dict[str, Any] = {"run_dir": str(run_dir), "model_dir": model_dir, "warm_start": warm}
     metrics_file = (run_dir / "metrics.jsonl").open("w")
     samples_file = (run_dir / "samples.jsonl").open("wb") if cfg.save_samples else None
-    await pool.start()
     try:
+        await pool.start()  # inside try: servers already launched are stopped if this fails
         summary["eval_before"] = {
             "greedy": await evaluate(manager, pool, task.held_out, 0.0, ro.max_new_tokens),
             "sampled": await evaluate(manager, pool, task.held_out, ro.temperature, ro.max_new_tokens),

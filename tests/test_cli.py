@@ -80,3 +80,38 @@ def test_init_model_and_generate(tmp_path: Path) -> None:
     )
     assert p.returncode == 0, p.stderr
     assert "'12+34=' ->" in p.stdout
+
+
+def test_sigterm_stops_run_and_its_engine_servers(tmp_path: Path) -> None:
+    """A run with launched `streamrl serve` processes and a router, stopped by SIGTERM mid-way:
+    exit status 130, one line, no process left behind."""
+    import os
+    import signal
+    import time
+
+    from streamrl.tasks import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", preset="tiny")
+    run_dir = tmp_path / "run"
+    cmd = [*STREAMRL, "run", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), "--no-progress",
+           "--set", f"run_dir={run_dir}", "--set", f"model.path={model}", "--set", "model.init=none",
+           "--set", "warm_start.enabled=false", "--set", "engines.pool=http", "--set", "engines.router=launch"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 90
+    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else ""
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted"
+    logs = run_dir / "logs"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        assert b"sglang::router" not in cmdline and str(model).encode() not in cmdline, cmdline
+    assert (logs / "engine-0.log").is_file()

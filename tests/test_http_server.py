@@ -5,6 +5,7 @@ console entry point as a subprocess."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -384,7 +385,8 @@ async def test_through_sglang_router(srv: Server) -> None:
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", srv.url, "--host", "127.0.0.1",
            "--port", str(port), "--policy", "round_robin"]
     devnull = asyncio.subprocess.DEVNULL
-    proc = await asyncio.create_subprocess_exec(*cmd, stdout=devnull, stderr=devnull)
+    # Own process group: the router runs as a grandchild ("sglang::router") of this process.
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=devnull, stderr=devnull, start_new_session=True)
     try:
         params = {"max_new_tokens": 6, **GREEDY}
         async with SGLangClient(f"http://127.0.0.1:{port}") as c:
@@ -400,8 +402,10 @@ async def test_through_sglang_router(srv: Server) -> None:
             last = [ch async for ch in c.generate_stream(PROMPT, params)][-1]
             assert last["output_ids"] == r["output_ids"]
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         await proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 # ---- the console entry point ---------------------------------------------------------------------

@@ -173,6 +173,18 @@ async def test_http_pool_launches_servers_behind_the_real_router(tmp_path: Path,
         text = (logs / f"engine-{i}.log").read_text()
         assert "listening on http://127.0.0.1:" in text
     assert summary["eval_after"]["greedy"] >= 0.0
+    assert not _live_routers()  # the router runs as a grandchild; stopping the run must reach it
+
+
+def _live_routers() -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"sglang::router" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
 
 
 async def test_http_pool_gloo_weight_sync(tmp_path: Path, tiny_model_dir: Path) -> None:

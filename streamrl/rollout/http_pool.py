@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -46,6 +47,7 @@ class ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": self.cmd[-3], "TOKENIZERS_PARALLELISM": "false"}
         self.proc = await asyncio.create_subprocess_exec(
             *self.cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+            start_new_session=True,  # its own process group, so stop() reaches everything it starts
         )
         log = self.log_path.open("a")
         assert self.proc.stdout is not None
@@ -97,10 +99,12 @@ class RouterProcess:
         port, prom = _free_port(), _free_port()
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
                "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+               "--log-level", "warn"]  # info logs every request and health probe (~300 KB/s)
         env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
         log = self.log_path.open("ab")
-        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=log, stderr=log, env=env)
+        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=log, stderr=log, env=env,
+                                                         start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         async with SGLangClient(self.url) as c:
@@ -121,15 +125,26 @@ class RouterProcess:
 
 
 async def _terminate(proc: asyncio.subprocess.Process | None, grace: float) -> None:
-    """SIGTERM, then SIGKILL after `grace` seconds."""
-    if proc is None or proc.returncode is not None:
+    """SIGTERM to the child's whole process group, then SIGKILL after `grace` seconds.
+
+    The group matters: `python -m sglang_router.launch_router` runs the router as a grandchild
+    ("sglang::router") that would outlive a signal sent to its parent alone.
+    """
+    if proc is None:
         return
-    proc.terminate()
-    try:
-        await asyncio.wait_for(proc.wait(), grace)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
+
+    def signal_group(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+    if proc.returncode is None:
+        signal_group(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            signal_group(signal.SIGKILL)
+            await proc.wait()
+    signal_group(signal.SIGKILL)  # stragglers in the group once the leader is gone
 
 
 def _free_port() -> int:
