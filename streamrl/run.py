@@ -75,6 +75,8 @@ async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
     if cfg.engines.pool == "ray_serve":
         raise ConfigError("engines.pool", f"pool '{cfg.engines.pool}' is not available yet in this build; use local")
+    if cfg.engines.backend == "vllm":
+        raise ConfigError("engines.backend", "the vllm backend is not available yet in this build; use sglang")
     task: TaskData = load_task(cfg)  # first: a bad dataset or reward spec stops before any work
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

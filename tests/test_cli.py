@@ -29,6 +29,7 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
     ("data:\n  reward: no_such_module_xyz:score\n", [], "data.reward"),
     ("data:\n  reward: json:no_such_function\n", [], "data.reward"),
     ("engines:\n  pool: ray_serve\n", [], "engines.pool"),
+    ("engines:\n  backend: vllm\n", [], "engines.backend"),
 ]
 
 
