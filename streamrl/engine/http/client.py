@@ -220,7 +220,7 @@ class SGLangClient:
         await asyncio.gather(
             asyncio.to_thread(sender.connect),
             self.init_weights_update_group(sender.master_address, sender.master_port, rank_offset,
-                                           sender.world_size, sender.group_name),
+                                           sender.world_size, sender.group_name, sender.backend),
         )
 
     async def send_weights(self, sender: GlooWeightSender, named_tensors: Iterable[tuple[str, Any]],
@@ -245,8 +245,13 @@ class GlooWeightSender:
     """
 
     def __init__(self, master_address: str = "127.0.0.1", master_port: int = 0, world_size: int = 2,
-                 group_name: str = "weight_update_group", timeout_s: float = 600.0) -> None:
+                 group_name: str = "weight_update_group", timeout_s: float = 600.0, backend: str = "gloo",
+                 device: str = "cpu") -> None:
         import torch.distributed as dist
+
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+        self.backend, self.device = backend, device
 
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(master_address, master_port, world_size, True, self._timeout,
@@ -260,13 +265,25 @@ class GlooWeightSender:
         import torch.distributed as dist
 
         store = dist.PrefixStore(f"{self.group_name}/", self._store)
-        self._pg = dist.ProcessGroupGloo(store, 0, self.world_size, self._timeout)
+        if self.backend == "gloo":
+            self._pg = dist.ProcessGroupGloo(store, 0, self.world_size, self._timeout)
+        else:
+            import torch
+
+            torch.cuda.set_device(torch.device(self.device))
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self._timeout
+            self._pg = dist.ProcessGroupNCCL(store, 0, self.world_size, opts)
 
     def broadcast(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         if self._pg is None:
             raise RuntimeError("GlooWeightSender.connect() first")
+        if self.backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(torch.device(self.device))
         for _, t in named_tensors:
-            self._pg.broadcast(t, 0).wait()
+            self._pg.broadcast(t.to(self.device) if self.backend == "nccl" else t, 0).wait()
 
     def close(self) -> None:
         self._pg = None

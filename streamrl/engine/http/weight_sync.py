@@ -1,4 +1,5 @@
-"""Distributed weight updates over gloo: SGLang's init / update / destroy weights-update-group routes.
+"""Distributed weight updates: SGLang's init / update / destroy weights-update-group routes, over gloo
+(CPU tensors) or NCCL (tensors on the engine's GPU).
 
 The trainer side of the group is `GlooWeightSender` (in `client.py`).
 """
@@ -41,25 +42,39 @@ class DestroyGroupReq(msgspec.Struct):
     group_name: str = "weight_update_group"
 
 
-def _connect_gloo(req: InitGroupReq) -> Any:
+def _connect(req: InitGroupReq, device: str) -> Any:
     """Join the trainer's group as rank `rank_offset` (rank 0, the trainer, hosts the TCP store; the
     store prefix is the one torch's `new_group` and SGLang's custom groups use)."""
+    import torch
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=req.timeout_s)
     store = dist.TCPStore(req.master_address, req.master_port, req.world_size, False, timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"{req.group_name}/", store), req.rank_offset, req.world_size, timeout)
+    prefixed = dist.PrefixStore(f"{req.group_name}/", store)
+    if req.backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, req.rank_offset, req.world_size, timeout)
+    torch.cuda.set_device(torch.device(device))  # NCCL binds the communicator to this thread's device
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, req.rank_offset, req.world_size, opts)
 
 
-def _receive(pg: Any, req: UpdateDistributedReq) -> dict[str, Any]:
+def _receive(pg: Any, req: UpdateDistributedReq, device: str) -> dict[str, Any]:
     import torch
 
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     out = {}
     for name, dtype, shape in zip(req.names, req.dtypes, req.shapes, strict=True):
-        t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+        t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
         pg.broadcast(t, 0).wait()  # from rank 0, the trainer
         out[name] = t
     return out
+
+
+def _device(st: ServerState) -> str:
+    dev = str(getattr(st.engine, "device", "cpu"))
+    return "cuda:0" if dev == "cuda" else dev
 
 
 def _groups(st: ServerState) -> dict[str, Any]:
@@ -69,13 +84,17 @@ def _groups(st: ServerState) -> dict[str, Any]:
 async def init_weights_update_group(request: web.Request) -> web.Response:
     st = state_of(request)
     req = convert(await read_json(request), InitGroupReq)
-    if req.backend != "gloo":
-        msg, ok = f"backend {req.backend!r} is not supported: streamrl serve joins weight-update groups over gloo", False
+    device = _device(st)
+    if req.backend not in ("gloo", "nccl"):
+        msg, ok = f"backend {req.backend!r} is not supported: use gloo or nccl", False
+    elif req.backend == "nccl" and not device.startswith("cuda"):
+        msg, ok = "backend 'nccl' needs an engine on a CUDA device; use gloo for a CPU engine", False
     elif req.group_name in _groups(st):
         msg, ok = f"group {req.group_name!r} already exists", False
     else:
         try:
-            _groups(st)[req.group_name] = await asyncio.to_thread(_connect_gloo, req)
+            pg = await asyncio.to_thread(_connect, req, device)
+            _groups(st)[req.group_name] = (pg, device if req.backend == "nccl" else "cpu")
             msg, ok = "Succeeded to initialize custom process group.", True
         except Exception as e:  # noqa: BLE001 - reported as success=False, as SGLang does
             msg, ok = f"Failed to initialize custom process group: {e}", False
@@ -92,12 +111,13 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     bad = [d for d in req.dtypes if not isinstance(getattr(torch, d.removeprefix("torch."), None), torch.dtype)]
     if bad:
         raise BadRequest(f"unknown dtype {bad[0]!r}")
-    pg = _groups(st).get(req.group_name)
-    if pg is None:
+    group = _groups(st).get(req.group_name)
+    if group is None:
         return json_response({"success": False, "message": f"no weight-update group {req.group_name!r}"}, 400)
+    pg, device = group
 
     async def load(version: str) -> None:
-        tensors = await asyncio.to_thread(_receive, pg, req)  # generation goes on meanwhile
+        tensors = await asyncio.to_thread(_receive, pg, req, device)  # generation goes on meanwhile
         await st.engine.update_weights_from_state_dict(tensors, version)
 
     ok, msg, _ = await apply_weights(st, load, req.weight_version, req.abort_all_requests)
