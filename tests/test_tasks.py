@@ -90,16 +90,15 @@ def test_load_jsonl_errors(tmp_path: Path) -> None:
         load_prompts(csv)
 
 
-def test_parquet_without_pyarrow_is_a_clear_error(tmp_path: Path) -> None:
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        path = tmp_path / "p.parquet"
-        path.write_bytes(b"PAR1")
-        with pytest.raises(ValueError, match="needs pyarrow"):
-            load_prompts(path)
-    else:
-        pytest.skip("pyarrow is installed")
+def test_parquet_prompts(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"q": ["1+1=", "2+3="], "a": ["2", "5"], "level": [1, 2]}), path)
+    rows = load_prompts(path, prompt_key="q", answer_key="a")
+    assert [(r["prompt"], r["answer"]) for r in rows] == [("1+1=", "2"), ("2+3=", "5")]
+    assert rows[1]["metadata"] == {"level": 2}
 
 
 def test_load_reward_fn_resolves_sync_and_async(tmp_path: Path) -> None:
