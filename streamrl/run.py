@@ -147,8 +147,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
                 sync_s = await sync_weights(pool, trainer)
                 await ctl.set_version(trainer.version)
                 samples_total += stats["trained_samples"]
-                if hasattr(pool, "refresh_stats"):
-                    await pool.refresh_stats()
+                await pool.refresh_stats()
                 now, ps = time.perf_counter(), pool.stats()
                 dt = now - last["t"]
                 c = manager.counters

@@ -212,3 +212,15 @@ async def test_state_round_trip(priority: str) -> None:
         assert expected == ["f", "d", "a", "g"]
     else:
         assert expected == ["d", "e", "f", "g"]
+
+
+def test_unpark_partial_takes_back_one_sample() -> None:
+    from streamrl.buffer import RolloutBuffer
+    from streamrl.types import Sample
+
+    buf = RolloutBuffer()
+    a, b = Sample(group_id="a", prompt_ids=[1]), Sample(group_id="b", prompt_ids=[1])
+    buf.park_partial(a)
+    buf.park_partial(b)
+    assert buf.unpark_partial(a) and not buf.unpark_partial(a)
+    assert buf.take_partials() == [b]

@@ -155,6 +155,14 @@ class RolloutBuffer:
         """Hold an interrupted sample until the manager resumes it (so a checkpoint includes it)."""
         self._partials.append(sample)
 
+    def unpark_partial(self, sample: Sample) -> bool:
+        """Take back one parked sample (by identity) when it resumes; False if it was not parked."""
+        for i, parked in enumerate(self._partials):
+            if parked is sample:
+                del self._partials[i]
+                return True
+        return False
+
     def take_partials(self) -> list[Sample]:
         out, self._partials = self._partials, []
         return out

@@ -173,18 +173,12 @@ class RolloutManager:
                 s.response_ids, s.logprobs, s.versions, s.loss_mask = [], [], [], []
             self.buffer.park_partial(s)
             await self.pool.wait_resumed()
-            self._unpark(s)
+            self.buffer.unpark_partial(s)
             s.num_resumes += 1
             self.counters.partial_resumed += 1
             if s.num_tokens >= st.max_new_tokens:
                 s.status, s.finish_reason = "truncated", "length"
                 return
-
-    def _unpark(self, s: Sample) -> None:
-        parked = self.buffer.take_partials()
-        for other in parked:
-            if other is not s:
-                self.buffer.park_partial(other)
 
     def _append(self, s: Sample, res: dict[str, Any]) -> None:
         meta = res["meta_info"]

@@ -29,6 +29,7 @@ class EnginePool(Protocol):
     async def wait_resumed(self) -> None: ...
     async def update_weights(self, named_tensors: Any, version: int) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+    async def refresh_stats(self) -> None: ...
 
 
 class LocalPool:
@@ -83,6 +84,9 @@ class LocalPool:
 
     async def update_weights(self, named_tensors: Any, version: int) -> None:
         await asyncio.gather(*[e.update_weights_from_state_dict(named_tensors, str(version)) for e in self.engines])
+
+    async def refresh_stats(self) -> None:
+        """In-process engines' stats are always current."""
 
     def stats(self) -> dict[str, Any]:
         per = [e.stats() for e in self.engines]
