@@ -86,6 +86,17 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
             weight_version="0",
         )
         return HttpPool(launch=servers, **router)  # type: ignore[return-value, arg-type]
+    if e.pool == "ray_serve":
+        from .rollout.ray_serve_pool import RayServePool
+
+        return RayServePool(  # type: ignore[return-value]
+            model_dir, num_replicas=e.num_replicas, run_dir=Path(cfg.run_dir), engine=e.engine,
+            engine_kwargs=dict(device=resolve_device(cfg.model.device), dtype=cfg.model.dtype,
+                               max_running_requests=e.max_running_requests, max_total_tokens=e.max_total_tokens,
+                               seed=cfg.seed, weight_version="0"),
+            cpus_per_replica=e.cpus_per_replica, gpus_per_replica=e.gpus_per_replica, threads=e.threads,
+            stream_interval=e.stream_interval, ray_address=e.ray_address,
+        )
     if e.pool == "local":
         engines = [
             TorchEngine(

@@ -22,6 +22,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    from .rollout.ray_serve_pool import RayStartError
     from .run import run
 
     try:
@@ -29,6 +30,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    except RayStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     _print_summary(summary)
     return 0
 

@@ -90,8 +90,17 @@ class EnginesConfig(_Section):
     )
     router: Annotated[str | None, _d("sglang-router URL, or 'launch' to start one; null = route in-process")] = None
     backend: Annotated[Literal["sglang", "vllm"], _d("server flavour for pool=http / ray_serve")] = "sglang"
+    engine: Annotated[Literal["torch", "sglang"], _d(
+        "engine inside each ray_serve replica: the embedded TorchEngine, or sglang.Engine (GPU build; unverified)"
+    )] = "torch"
     cpus_per_replica: Annotated[float, _d("CPUs reserved per Ray replica", ge=0)] = 1.0
-    gpus_per_replica: Annotated[float, _d("GPUs reserved per Ray replica", ge=0)] = 0.0
+    gpus_per_replica: Annotated[float, _d("GPUs reserved per Ray replica; fractions share a GPU", ge=0)] = 0.0
+    stream_interval: Annotated[int, _d(
+        "ray_serve: tokens per streamed chunk (a lost replica costs at most this many - 1)", ge=1
+    )] = 8
+    ray_address: Annotated[str | None, _d("ray_serve: address of a running Ray cluster; null = start one here")] = (
+        None
+    )
     threads: Annotated[int, _d("torch CPU threads per embedded engine", ge=1)] = 1
     weight_sync: Annotated[Literal["disk", "distributed"], _d("pool=http: safetensors folder or gloo broadcast")] = (
         "disk"
@@ -449,6 +458,8 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
     for i, url in enumerate(e.urls):
         if not _URL_RE.match(url):
             raise ConfigError(f"engines.urls[{i}]", f"expected an http:// or https:// URL, got '{url}'")
+    if e.engine == "sglang" and e.pool != "ray_serve":
+        raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
     if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):
         raise ConfigError("engines.router", f"expected an http:// or https:// URL or 'launch', got '{e.router}'")
     cap = cfg.buffer.capacity

@@ -73,8 +73,6 @@ async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
 
 
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
-    if cfg.engines.pool == "ray_serve":
-        raise ConfigError("engines.pool", f"pool '{cfg.engines.pool}' is not available yet in this build; use local")
     if cfg.engines.backend == "vllm":
         raise ConfigError("engines.backend", "the vllm backend is not available yet in this build; use sglang")
     task: TaskData = load_task(cfg)  # first: a bad dataset or reward spec stops before any work
@@ -189,6 +187,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
             "greedy": await evaluate(manager, pool, task.held_out, 0.0, ro.max_new_tokens),
             "sampled": await evaluate(manager, pool, task.held_out, ro.temperature, ro.max_new_tokens),
         }
+        summary["requests_lost_with_a_replica"] = pool.stats().get("lost_requests", 0)
     finally:
         metrics_file.close()
         if samples_file is not None:
