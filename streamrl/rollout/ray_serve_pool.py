@@ -31,6 +31,7 @@ from typing import Any
 
 from ..engine import EngineError, build_result
 from ..engine.protocol import finish_reason
+from .packed_weights import pack
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class RayServePool:
         self.requests_by_replica: Counter[str] = Counter()
         self._handle: Any = None
         self._store: Any = None
-        self._weights_ref: Any = None
+        self._weights_box: list[Any] | None = None
         self._started_ray = False
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -343,11 +344,12 @@ class RayServePool:
         carry `version`, so no replica can serve them with older weights."""
         import ray
 
-        tensors = {k: v.detach().contiguous().cpu() for k, v in dict(named_tensors).items()}
-        ref = await asyncio.to_thread(ray.put, tensors)
-        await self._store.set.remote(version, [ref])
-        self._weights_ref = ref  # the store holds a borrowed ref; the owner (us) keeps the object alive
-        versions = await self._broadcast("sync_weights", version)
+        table, data = await asyncio.to_thread(pack, named_tensors)
+        box = [table, await asyncio.to_thread(ray.put, data)]
+        self._weights_box = box  # the store holds a borrowed ref; the owner (us) keeps the object alive
+        # The store (for replicas that miss this broadcast) and the broadcast itself, at once.
+        _, versions = await asyncio.gather(self._store.set.remote(version, box),
+                                           self._broadcast("sync_weights", version, box))
         if any(v < version for v in versions):
             raise RuntimeError(f"ray_serve pool: replicas at versions {versions} after update to {version}")
         self.version = version

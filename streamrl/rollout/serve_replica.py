@@ -21,11 +21,13 @@ import ray
 from ray import serve
 
 from ..engine import Engine, TorchEngine
+from .packed_weights import unpack
 
 
 @ray.remote(num_cpus=0)
 class WeightStore:
-    """The newest weights: a version and a boxed ObjectRef (boxed so Ray passes the ref, not the value)."""
+    """The newest weights: a version and a box `[table, ObjectRef]` (boxed so Ray passes the ref, not
+    the value; see `packed_weights`)."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -66,14 +68,18 @@ class EngineReplica:
         v = self.engine.weight_version
         return int(v) if v.isdigit() else 0
 
-    async def sync_weights(self, min_version: int | None) -> int:
-        """Load the store's weights if this replica is behind `min_version` (None: behind the store)."""
+    async def sync_weights(self, min_version: int | None, box: list[Any] | None = None) -> int:
+        """Load weights if this replica is behind `min_version` (None: behind the store): from `box`
+        when the caller passes it (a broadcast update), else from the store (a replica that missed it)."""
         if min_version is not None and self.version >= min_version:
             return self.version
         async with self._sync:
-            version, box = await self.store.get.remote()
-            if box is not None and version > self.version:
-                tensors = await box[0]
+            version = min_version
+            if box is None or min_version is None:
+                version, box = await self.store.get.remote()
+            if box is not None and version is not None and version > self.version:
+                table, ref = box
+                tensors = unpack(table, await ref)
                 await self.engine.update_weights_from_state_dict(tensors, str(version))
         return self.version
 
