@@ -28,7 +28,8 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
     ("data:\n  path: /nonexistent.jsonl\n", [], "data"),
     ("data:\n  reward: no_such_module_xyz:score\n", [], "data.reward"),
     ("data:\n  reward: json:no_such_function\n", [], "data.reward"),
-    ("engines:\n  pool: ray_serve\n", [], "engines.pool"),
+    ("engines:\n  engine: sglang\n", [], "engines.engine"),
+    ("engines:\n  stream_interval: 0\n", [], "engines.stream_interval"),
     ("engines:\n  backend: vllm\n", [], "engines.backend"),
 ]
 
@@ -116,3 +117,66 @@ def test_sigterm_stops_run_and_its_engine_servers(tmp_path: Path) -> None:
             continue
         assert b"sglang::router" not in cmdline and str(model).encode() not in cmdline, cmdline
     assert (logs / "engine-0.log").is_file()
+
+
+def _processes_mentioning(needle: bytes) -> list[bytes]:
+    import os
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def test_sigterm_stops_a_ray_serve_run_and_its_ray_session(tmp_path: Path) -> None:
+    """The same with `engines.pool: ray_serve` (this module's one Ray session, in the child process):
+    Ray's own SIGTERM handler must not kill the run before it shuts Serve and Ray down."""
+    import os
+    import signal
+    import time
+
+    from streamrl.tasks import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", preset="tiny")
+    run_dir = tmp_path / "run"
+    cmd = [*STREAMRL, "run", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), "--no-progress",
+           "--set", f"run_dir={run_dir}", "--set", f"model.path={model}", "--set", "model.init=none",
+           "--set", "warm_start.enabled=false", "--set", "engines.pool=ray_serve", "--set", "engines.num_replicas=2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else ""
+        time.sleep(0.5)
+    ray_dir = os.path.realpath(run_dir / "ray")  # a short folder in /tmp when the run path is long
+    assert _processes_mentioning(ray_dir.encode()), "the Ray session should be running under the run folder"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "interrupted"
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(ray_dir.encode()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _processes_mentioning(ray_dir.encode())
+
+
+def test_unreachable_ray_address_is_one_clear_line(tmp_path: Path) -> None:
+    from streamrl.tasks import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", preset="tiny")
+    p = subprocess.run(
+        [*STREAMRL, "run", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), "--no-progress",
+         "--set", f"run_dir={tmp_path / 'run'}", "--set", f"model.path={model}", "--set", "model.init=none",
+         "--set", "warm_start.enabled=false", "--set", "engines.pool=ray_serve",
+         "--set", "engines.ray_address=127.0.0.1:9"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1].startswith("error: engines.ray_address: no Ray cluster answers at")
+    assert "Traceback" not in p.stderr

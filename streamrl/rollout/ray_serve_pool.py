@@ -71,17 +71,54 @@ def start_ray(run_dir: Path, *, num_cpus: float, address: str | None = None) -> 
     kw: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
                               configure_logging=True)
     if address:
+        _check_reachable(address)
         kw["address"] = address
     else:
         kw["_temp_dir"] = _ray_temp_dir(run_dir)
         _local_auth_token(Path(kw["_temp_dir"]))
         kw["num_cpus"] = max(os.cpu_count() or 1, math.ceil(num_cpus))
+    # Ray's driver replaces the SIGTERM handler (Python's and, through its core worker, the C-level
+    # one, which dumps a stack and kills the process without any cleanup). Whoever registered
+    # SIGINT/SIGTERM handlers before (the CLI: cancel the run, stop the replicas) gets them back.
+    saved = _signal_handlers()
     try:
         ray.init(**kw)
     except Exception as e:  # noqa: BLE001 - every failure here means the same thing to the user
         where = f"the Ray cluster at {address}" if address else "a local Ray session"
         raise RayStartError(f"could not start {where}: {type(e).__name__}: {e}") from e
+    finally:
+        _restore_signal_handlers(saved)
     return True
+
+
+def _signal_handlers() -> dict[int, Any]:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signal_handlers(saved: dict[int, Any]) -> None:
+    import signal
+
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)  # re-installs the C-level handler too
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A `host:port` that nothing listens on fails here in seconds; ray.init would retry for minutes."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", "ray://...": Ray's own resolution
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise RayStartError(f"engines.ray_address: no Ray cluster answers at {address} ({e.strerror or e})") from None
 
 
 def _local_auth_token(temp_dir: Path) -> None:
@@ -178,8 +215,10 @@ class RayServePool:
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         t0 = time.perf_counter()
-        self._started_ray = await asyncio.to_thread(
-            start_ray, self.run_dir, num_cpus=self.num_replicas * self.cpus_per_replica, address=self.ray_address)
+        # On the loop's (main) thread: Ray's session must be started by a thread that lives on, and
+        # nothing else runs yet. A cluster address that does not answer fails fast (_check_reachable).
+        self._started_ray = start_ray(self.run_dir, num_cpus=self.num_replicas * self.cpus_per_replica,
+                                      address=self.ray_address)
         try:
             await asyncio.to_thread(self._deploy)
         except BaseException:
