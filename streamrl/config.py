@@ -89,14 +89,14 @@ class EnginesConfig(_Section):
         msgspec.field(default_factory=list)
     )
     router: Annotated[str | None, _d("sglang-router URL, or 'launch' to start one; null = route in-process")] = None
-    backend: Annotated[Literal["sglang", "vllm"], _d("server flavour for pool=http / ray_serve")] = "sglang"
+    backend: Annotated[Literal["sglang", "vllm"], _d("server flavour for pool=http")] = "sglang"
     engine: Annotated[Literal["torch", "sglang"], _d(
         "engine inside each ray_serve replica: the embedded TorchEngine, or sglang.Engine (GPU build; unverified)"
     )] = "torch"
     cpus_per_replica: Annotated[float, _d("CPUs reserved per Ray replica", ge=0)] = 1.0
     gpus_per_replica: Annotated[float, _d("GPUs reserved per Ray replica; fractions share a GPU", ge=0)] = 0.0
     stream_interval: Annotated[int, _d(
-        "ray_serve: tokens per streamed chunk (a lost replica costs at most this many - 1)", ge=1
+        "ray_serve: tokens per streamed chunk (a lost replica costs at most this many per request)", ge=1
     )] = 8
     ray_address: Annotated[str | None, _d("ray_serve: address of a running Ray cluster; null = start one here")] = (
         None

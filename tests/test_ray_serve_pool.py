@@ -127,6 +127,18 @@ async def test_pause_abort_returns_partials_and_resume(pool: RayServePool) -> No
     assert len((await pool.generate(PROMPTS[0], GREEDY, "after-resume"))["output_ids"]) > 0
 
 
+async def test_release_and_resume_memory_on_every_replica(pool: RayServePool) -> None:
+    await pool.pause("abort")
+    await pool.release_memory()
+    await pool.refresh_stats()
+    assert [s["kv_cache_bytes"] for s in pool.stats()["replicas"]] == [0, 0]
+    await pool.resume_memory()
+    await pool.resume()
+    await pool.refresh_stats()
+    assert all(s["kv_cache_bytes"] > 0 for s in pool.stats()["replicas"])
+    assert len((await pool.generate(PROMPTS[0], GREEDY, "after-memory"))["output_ids"]) > 0
+
+
 async def test_weight_update_reaches_every_replica(pool: RayServePool, tiny_model_dir_b: Path) -> None:
     from transformers import AutoModelForCausalLM
 
