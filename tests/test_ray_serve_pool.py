@@ -233,7 +233,9 @@ async def _kill_a_busy_replica(run_task: asyncio.Task, other_apps: set[str]) -> 
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not run_task.done():
-        apps = [a for a in serve.status().applications if a not in other_apps]
+        # Only once the app is RUNNING: Serve's config objects are not thread-safe to build while
+        # the run's own thread is still deploying (cloudpickle's by-value registry is global).
+        apps = [a for a, st in serve.status().applications.items() if a not in other_apps and st.status == "RUNNING"]
         stats = []
         if apps:
             try:
