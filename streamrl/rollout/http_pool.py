@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.http.client import SGLangClient
+from .pools import PauseGate
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
 
@@ -155,7 +156,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class HttpPool:
+class HttpPool(PauseGate):
     """Generation to the router (if any) or the least-loaded worker; control calls to every worker.
 
     The router re-encodes requests and drops unknown fields, and retries a non-streaming request on
@@ -179,8 +180,7 @@ class HttpPool:
         self.num_replicas = len(self.urls) + len(self.servers)
         self.clients: list[SGLangClient] = []
         self._inflight: list[int] = []
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        super().__init__()
         self._weights_dir = Path(tempfile.mkdtemp(prefix="streamrl-weights-", dir=_fast_tmp()))
         self._busy_s = 0.0
 
@@ -224,16 +224,11 @@ class HttpPool:
     async def abort_all(self) -> None:
         await asyncio.gather(*[c.abort_all() for c in self.clients])
 
-    async def pause(self, mode: str = "abort") -> None:
-        self._resumed.clear()
+    async def _pause_all(self, mode: str) -> None:
         await asyncio.gather(*[c.pause(mode) for c in self.clients])
 
-    async def resume(self) -> None:
+    async def _resume_all(self) -> None:
         await asyncio.gather(*[c.resume() for c in self.clients])
-        self._resumed.set()
-
-    async def wait_resumed(self) -> None:
-        await self._resumed.wait()
 
     async def _connect_gloo(self) -> None:
         """One gloo group: the trainer is rank 0, server i joins as rank i + 1 (SGLang's protocol)."""

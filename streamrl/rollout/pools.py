@@ -6,7 +6,7 @@ updates) reach *every* replica. The pool also owns the "paused for a weight upda
 manager waits on before resubmitting interrupted samples.
 
 `LocalPool` keeps TorchEngines in this process (unit tests, GPU benchmarks, the CPU quickstart).
-Other pools (Ray Serve, HTTP) implement the same methods in their own modules.
+`RayServePool` (ray_serve_pool.py) and `HttpPool` (http_pool.py) implement the same methods.
 """
 
 from __future__ import annotations
@@ -32,18 +32,47 @@ class EnginePool(Protocol):
     async def refresh_stats(self) -> None: ...
 
 
-class LocalPool:
+class PauseGate:
+    """The pool-wide "paused for a weight update" state: `pause` closes the gate before the engines
+    abort (so interrupted samples find it closed), `resume` opens it after every engine resumed.
+    A pool implements `_pause_all(mode)` and `_resume_all()` for its engines."""
+
+    def __init__(self) -> None:
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+
+    async def _pause_all(self, mode: str) -> None:
+        raise NotImplementedError
+
+    async def _resume_all(self) -> None:
+        raise NotImplementedError
+
+    async def pause(self, mode: str = "abort") -> None:
+        self._resumed.clear()
+        await self._pause_all(mode)
+
+    async def resume(self) -> None:
+        await self._resume_all()
+        self._resumed.set()
+
+    async def wait_resumed(self) -> None:
+        await self._resumed.wait()
+
+    @property
+    def is_paused(self) -> bool:
+        return not self._resumed.is_set()
+
+
+class LocalPool(PauseGate):
     """Engines in the driver process."""
 
     def __init__(self, engines: list[TorchEngine]) -> None:
         if not engines:
             raise ValueError("LocalPool needs at least one engine")
+        super().__init__()
         self.engines = engines
         self.num_replicas = len(engines)
         self._inflight = [0] * len(engines)
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self._busy_since: float | None = None
 
     async def start(self) -> None:
         for e in self.engines:
@@ -67,20 +96,11 @@ class LocalPool:
     async def abort_all(self) -> None:
         await asyncio.gather(*[e.abort_all() for e in self.engines])
 
-    async def pause(self, mode: str = "abort") -> None:
-        self._resumed.clear()
+    async def _pause_all(self, mode: str) -> None:
         await asyncio.gather(*[e.pause(mode) for e in self.engines])  # type: ignore[arg-type]
 
-    async def resume(self) -> None:
+    async def _resume_all(self) -> None:
         await asyncio.gather(*[e.resume() for e in self.engines])
-        self._resumed.set()
-
-    async def wait_resumed(self) -> None:
-        await self._resumed.wait()
-
-    @property
-    def is_paused(self) -> bool:
-        return not self._resumed.is_set()
 
     async def update_weights(self, named_tensors: Any, version: int) -> None:
         await asyncio.gather(*[e.update_weights_from_state_dict(named_tensors, str(version)) for e in self.engines])

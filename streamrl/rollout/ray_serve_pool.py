@@ -32,6 +32,7 @@ from typing import Any
 from ..engine import EngineError, build_result
 from ..engine.protocol import finish_reason
 from .packed_weights import pack
+from .pools import PauseGate
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
-class RayServePool:
+class RayServePool(PauseGate):
     """EnginePool over Ray Serve replicas of `EngineReplica`."""
 
     def __init__(self, model_dir: str, *, num_replicas: int, run_dir: Path, engine_kwargs: dict[str, Any],
@@ -203,8 +204,7 @@ class RayServePool:
         self._store: Any = None
         self._weights_box: list[Any] | None = None
         self._started_ray = False
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        super().__init__()
         self._stats: list[dict[str, Any]] = []
         self._inflight = 0
         self.max_batch = max_batch
@@ -357,20 +357,11 @@ class RayServePool:
     async def abort_all(self) -> None:
         await self._broadcast("abort_all")
 
-    async def pause(self, mode: str = "abort") -> None:
-        self._resumed.clear()
+    async def _pause_all(self, mode: str) -> None:
         await self._broadcast("pause", mode)
 
-    async def resume(self) -> None:
+    async def _resume_all(self) -> None:
         await self._broadcast("resume")
-        self._resumed.set()
-
-    async def wait_resumed(self) -> None:
-        await self._resumed.wait()
-
-    @property
-    def is_paused(self) -> bool:
-        return not self._resumed.is_set()
 
     async def release_memory(self) -> None:
         await self._broadcast("release_memory")
