@@ -171,3 +171,21 @@ def test_unreachable_ray_address_is_one_clear_line(tmp_path: Path) -> None:
     assert p.returncode == 1
     assert p.stderr.strip().splitlines()[-1].startswith("error: engines.ray_address: no Ray cluster answers at")
     assert "Traceback" not in p.stderr
+
+
+def test_ray_that_cannot_start_is_one_clear_line(tmp_path: Path) -> None:
+    from streamrl.tasks import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", preset="tiny")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ray").write_text("a file where Ray's temp folder goes")
+    p = subprocess.run(
+        [*STREAMRL, "run", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), "--no-progress",
+         "--set", f"run_dir={run_dir}", "--set", f"model.path={model}", "--set", "model.init=none",
+         "--set", "warm_start.enabled=false", "--set", "engines.pool=ray_serve"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1].startswith("error: Ray's temp folder")
+    assert "Traceback" not in p.stderr

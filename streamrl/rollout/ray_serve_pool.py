@@ -75,8 +75,11 @@ def start_ray(run_dir: Path, *, num_cpus: float, address: str | None = None) -> 
         _check_reachable(address)
         kw["address"] = address
     else:
-        kw["_temp_dir"] = _ray_temp_dir(run_dir)
-        _local_auth_token(Path(kw["_temp_dir"]))
+        try:
+            kw["_temp_dir"] = _ray_temp_dir(run_dir)
+            _local_auth_token(Path(kw["_temp_dir"]))
+        except OSError as e:
+            raise RayStartError(f"Ray's temp folder {run_dir / 'ray'}: {e.strerror or e}") from None
         kw["num_cpus"] = max(os.cpu_count() or 1, math.ceil(num_cpus))
     # Ray's driver replaces the SIGTERM handler (Python's and, through its core worker, the C-level
     # one, which dumps a stack and kills the process without any cleanup). Whoever registered
