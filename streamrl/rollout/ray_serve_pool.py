@@ -185,6 +185,7 @@ class RayServePool(PauseGate):
                  cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0, threads: int = 1,
                  stream_interval: int = 8, ray_address: str | None = None, max_ongoing_requests: int = 1024,
                  max_batch: int = 32) -> None:
+        super().__init__()
         self.model_dir = model_dir
         self.engine = engine
         self.num_replicas = num_replicas
@@ -207,7 +208,6 @@ class RayServePool(PauseGate):
         self._store: Any = None
         self._weights_box: list[Any] | None = None
         self._started_ray = False
-        super().__init__()
         self._stats: list[dict[str, Any]] = []
         self._inflight = 0
         self.max_batch = max_batch
