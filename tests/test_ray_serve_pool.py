@@ -206,6 +206,11 @@ async def test_run_survives_a_killed_replica(ray_session, tmp_path: Path, tiny_m
     before = set(serve.status().applications)
     task = asyncio.create_task(run(cfg, show_progress=False, log=lambda *_: None))
     try:
+        # Touch Serve only once the run trains: Serve builds its config objects through a global,
+        # unlocked cloudpickle registry, so a status call racing the run's own deploy can break it.
+        metrics = Path(cfg.run_dir) / "metrics.jsonl"
+        while not task.done() and not (metrics.is_file() and metrics.read_text()):
+            await asyncio.sleep(0.05)
         killed = await _kill_a_busy_replica(task, before)
         summary = await task
     finally:  # a failed assertion above must not leave the run (and its replicas) behind
@@ -233,8 +238,6 @@ async def _kill_a_busy_replica(run_task: asyncio.Task, other_apps: set[str]) -> 
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not run_task.done():
-        # Only once the app is RUNNING: Serve's config objects are not thread-safe to build while
-        # the run's own thread is still deploying (cloudpickle's by-value registry is global).
         apps = [a for a, st in serve.status().applications.items() if a not in other_apps and st.status == "RUNNING"]
         stats = []
         if apps:

@@ -227,7 +227,8 @@ class RayServePool(PauseGate):
         except BaseException:
             await self.aclose()
             raise
-        # Serve's router warns once per request cut off by a lost replica; the pool reports those itself.
+        # Serve logs its start at INFO on the console, and warns once per request cut off by a lost
+        # replica; the pool reports those itself (the replicas' logs stay in RUN_DIR/ray).
         logging.getLogger("ray.serve").setLevel(logging.ERROR)
         await self.refresh_stats()
         log.info("ray_serve pool: %d replicas up in %.1f s", self.num_replicas, time.perf_counter() - t0)
@@ -235,6 +236,8 @@ class RayServePool(PauseGate):
     def _deploy(self) -> None:
         import ray
         from ray import serve
+
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
         from .serve_replica import EngineReplica, WeightStore
 
@@ -269,17 +272,15 @@ class RayServePool(PauseGate):
         from ray import serve
 
         def stop() -> None:
-            try:
-                if self._started_ray:
-                    serve.shutdown()
-                else:
-                    serve.delete(self.app_name)
+            if self._started_ray:  # our session: ending it ends Serve, the replicas and the store
+                ray.shutdown()
+                return
+            try:  # a shared session: remove only what this pool added
+                serve.delete(self.app_name)
             except Exception as e:  # noqa: BLE001 - shutting down: report, keep going
                 log.warning("ray_serve pool: serve shutdown: %s", e)
             if self._store is not None:
                 ray.kill(self._store)
-            if self._started_ray:
-                ray.shutdown()
 
         self._handle = None
         await asyncio.to_thread(stop)
