@@ -91,7 +91,8 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
 
         return RayServePool(  # type: ignore[return-value]
             model_dir, num_replicas=e.num_replicas, run_dir=Path(cfg.run_dir), engine=e.engine,
-            engine_kwargs=dict(device=resolve_device(cfg.model.device), dtype=cfg.model.dtype,
+            # "auto" is resolved by each replica on its own node (the driver may have no GPU).
+            engine_kwargs=dict(device=cfg.model.device, dtype=cfg.model.dtype,
                                max_running_requests=e.max_running_requests, max_total_tokens=e.max_total_tokens,
                                seed=cfg.seed, weight_version="0"),
             cpus_per_replica=e.cpus_per_replica, gpus_per_replica=e.gpus_per_replica, threads=e.threads,
