@@ -303,7 +303,10 @@ class TorchEngine:
         result = build_result(
             rid=r.rid, text=text, output_ids=r.output_ids, logprobs=r.logprobs, finish=finish,
             prompt_tokens=len(r.input_ids), weight_version=self._version,
-            weight_versions=r.version_spans if len(r.version_spans) > 1 else None,
+            # Spans whenever the tokens' version is not simply the current one (a request that ran
+            # across an update, or was aborted right after one before producing a new token).
+            weight_versions=r.version_spans if len(r.version_spans) > 1 or (
+                r.version_spans and r.version_spans[0]["version"] != self._version) else None,
             e2e_latency=time.monotonic() - r.created,
         )
         if isinstance(r.sink, asyncio.Future):

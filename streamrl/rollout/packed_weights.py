@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+_ALIGN = 16  # bytes: the widest element size among torch dtypes (complex128)
+
 Table = list[tuple[str, str, tuple[int, ...], int, int]]
 
 
@@ -22,6 +24,10 @@ def pack(named_tensors: Any) -> tuple[Table, np.ndarray]:
     parts: list[torch.Tensor] = []
     offset = 0
     for name, t in dict(named_tensors).items():
+        pad = -offset % _ALIGN  # a view as dtype D must start at a multiple of D's size
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+            offset += pad
         flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         table.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, flat.numel()))
         parts.append(flat)

@@ -19,6 +19,7 @@ a cluster user sets `engines.ray_address`); the pool shuts down only what it sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -214,6 +215,7 @@ class RayServePool(PauseGate):
         self._pending: list[tuple[tuple[list[int], dict[str, Any], str], _Pending]] = []
         self._flush_scheduled = False
         self._batches: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -263,9 +265,14 @@ class RayServePool(PauseGate):
     async def aclose(self) -> None:
         import ray
 
-        for t in list(self._batches):
-            t.cancel()
-        await asyncio.gather(*self._batches, return_exceptions=True)
+        self._closing = True
+        for _, p in self._pending:  # queued in this loop turn, never sent
+            p.fail(RuntimeError("ray_serve pool closed"))
+        self._pending = []
+        while self._batches:
+            for t in list(self._batches):
+                t.cancel()
+            await asyncio.gather(*self._batches, return_exceptions=True)
 
         if not ray.is_initialized():
             return
@@ -289,6 +296,8 @@ class RayServePool(PauseGate):
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
         """Queued for the next batch call; requests issued in the same event-loop turn (a group's
         samples, a burst of admissions) travel together to one replica."""
+        if self._closing:
+            raise RuntimeError("ray_serve pool is closed")
         req = _Pending(rid, len(input_ids), asyncio.get_running_loop().create_future())
         self._pending.append(((list(input_ids), dict(sampling_params), rid), req))
         if not self._flush_scheduled:
@@ -303,6 +312,8 @@ class RayServePool(PauseGate):
     def _flush(self) -> None:
         self._flush_scheduled = False
         pending, self._pending = self._pending, []
+        if self._closing:
+            return
         for k in range(0, len(pending), self.max_batch):
             t = asyncio.get_running_loop().create_task(self._run_batch(pending[k:k + self.max_batch]))
             self._batches.add(t)
@@ -333,6 +344,11 @@ class RayServePool(PauseGate):
             self.lost_requests += len(lost)
             log.warning("ray_serve pool: a replica was lost with %d requests in flight; they resume elsewhere",
                         len(lost))
+            # "Unavailable" can be transient: the replica may still run these. Free their slots
+            # (best effort, not awaited); the retries carry new request ids either way.
+            t = asyncio.get_running_loop().create_task(self._abort_quietly([p.rid for p in lost]))
+            self._batches.add(t)
+            t.add_done_callback(self._batches.discard)
             await asyncio.sleep(0.05)  # let Serve's router drop the dead replica before the retries
             for p in lost:
                 p.set(_lost_result(p, self.version))
@@ -354,6 +370,10 @@ class RayServePool(PauseGate):
                 raise _unwrap(r)
             out.append(r)
         return out
+
+    async def _abort_quietly(self, rids: list[str]) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*[self._broadcast("abort", rid) for rid in rids])
 
     async def abort(self, rid: str) -> bool:
         return any(await self._broadcast("abort", rid))
