@@ -90,6 +90,14 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     result: dict[str, Any] | None = None
 
 
+def extend_version_spans(spans: list[dict[str, Any]], version: str, end: int, n: int) -> None:
+    """Record that the `n` tokens ending at `end` came from `version` (SGLang's `weight_versions`)."""
+    if spans and spans[-1]["version"] == version:
+        spans[-1]["end"] = end
+    else:
+        spans.append({"version": version, "start": end - n, "end": end})
+
+
 def finish_reason(kind: FinishType, **extra: Any) -> dict[str, Any]:
     return {"type": kind, **extra}
 

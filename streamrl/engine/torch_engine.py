@@ -25,7 +25,15 @@ from typing import Any
 import torch
 
 from .model_runner import FallbackRunner, ModelRunner, supports_fast_path
-from .protocol import EngineError, GenerateChunk, PauseMode, SamplingParams, build_result, finish_reason
+from .protocol import (
+    EngineError,
+    GenerateChunk,
+    PauseMode,
+    SamplingParams,
+    build_result,
+    extend_version_spans,
+    finish_reason,
+)
 from .sampling import SamplingBatch, sample
 from .scheduler import Plan, Request, Scheduler
 
@@ -282,12 +290,7 @@ class TorchEngine:
         return False
 
     def _note_version(self, r: Request, n: int) -> None:
-        spans = r.version_spans
-        end = len(r.output_ids)
-        if spans and spans[-1]["version"] == self._version:
-            spans[-1]["end"] = end
-        else:
-            spans.append({"version": self._version, "start": end - n, "end": end})
+        extend_version_spans(r.version_spans, self._version, len(r.output_ids), n)
 
     def _finish(self, r: Request, finish: dict[str, Any], error: Exception | None = None) -> None:
         if r.finished:

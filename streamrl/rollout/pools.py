@@ -12,6 +12,7 @@ manager waits on before resubmitting interrupted samples.
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 from ..engine import TorchEngine
@@ -32,7 +33,7 @@ class EnginePool(Protocol):
     async def refresh_stats(self) -> None: ...
 
 
-class PauseGate:
+class PauseGate(ABC):
     """The pool-wide "paused for a weight update" state: `pause` closes the gate before the engines
     abort (so interrupted samples find it closed), `resume` opens it after every engine resumed.
     A pool implements `_pause_all(mode)` and `_resume_all()` for its engines."""
@@ -41,11 +42,11 @@ class PauseGate:
         self._resumed = asyncio.Event()
         self._resumed.set()
 
-    async def _pause_all(self, mode: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def _pause_all(self, mode: str) -> None: ...
 
-    async def _resume_all(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def _resume_all(self) -> None: ...
 
     async def pause(self, mode: str = "abort") -> None:
         self._resumed.clear()

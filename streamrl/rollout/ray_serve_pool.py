@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import EngineError, build_result
-from ..engine.protocol import finish_reason
+from ..engine.protocol import extend_version_spans, finish_reason
 from .packed_weights import pack
 from .pools import PauseGate
 
@@ -332,9 +332,9 @@ class RayServePool(PauseGate):
                     elif "error" in m:
                         p.fail(EngineError(m["error"]))
                     else:
-                        _extend(p.spans, m["version"], len(p.ids), len(m["ids"]))
                         p.ids += m["ids"]
                         p.lps += m["lps"]
+                        extend_version_spans(p.spans, m["version"], len(p.ids), len(m["ids"]))
         except Exception as e:  # noqa: BLE001 - classified right below
             if not _is_lost_replica(e):
                 for p in reqs.values():
@@ -421,17 +421,6 @@ class RayServePool(PauseGate):
             "lost_requests": self.lost_requests,
             "replicas": per,
         }
-
-    async def replica_pids(self) -> list[int]:
-        await self.refresh_stats()
-        return [int(s["pid"]) for s in self._stats]
-
-
-def _extend(spans: list[dict[str, Any]], version: str, start: int, n: int) -> None:
-    if spans and spans[-1]["version"] == version:
-        spans[-1]["end"] = start + n
-    else:
-        spans.append({"version": version, "start": start, "end": start + n})
 
 
 def _lost_result(p: _Pending, version: int) -> dict[str, Any]:
