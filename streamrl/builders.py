@@ -78,8 +78,12 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
         log_dir = Path(cfg.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         router = dict(router=e.router, router_log=log_dir / "router.log", weight_sync=e.weight_sync)
+        if e.backend == "vllm":
+            router = dict(backend="vllm")
         if e.urls:
             return HttpPool(e.urls, **router)  # type: ignore[return-value, arg-type]
+        if e.backend == "vllm":
+            return HttpPool(launch=vllm_servers(cfg, model_dir), backend="vllm")  # type: ignore[return-value]
         servers = launch_servers(
             e.num_replicas, model_dir, Path(cfg.run_dir), device=resolve_device(cfg.model.device),
             dtype=cfg.model.dtype, max_running_requests=e.max_running_requests, threads=e.threads,
@@ -109,3 +113,31 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
         ]
         return LocalPool(engines)
     raise ConfigError("engines.pool", f"pool '{e.pool}' is not available yet in this build; use local")
+
+
+def vllm_python(cfg: Config) -> str:
+    """The Python that launches vLLM servers; a ConfigError naming the fix when there is none."""
+    from .engine.vllm import find_vllm_python
+
+    e = cfg.engines
+    python = find_vllm_python(e.vllm_python)
+    if python is None:
+        where = f"'{e.vllm_python}' does not exist" if e.vllm_python else "no Python with vLLM was found"
+        raise ConfigError("engines.vllm_python", f"{where}; run `bash scripts/setup_vllm.sh` (builds .venv-vllm) "
+                                                 "or point engines.vllm_python at a Python that has vllm")
+    return python
+
+
+def vllm_servers(cfg: Config, model_dir: str) -> list[Any]:
+    """One real vLLM server per replica, from vLLM's own environment (scripts/setup_vllm.sh)."""
+    from .engine.vllm import VLLMServer
+
+    e = cfg.engines
+    python = vllm_python(cfg)
+    logs = Path(cfg.run_dir) / "logs"
+    return [
+        VLLMServer(python, model_dir, log_path=logs / f"vllm-{i}.log", dtype=cfg.model.dtype,
+                   max_num_seqs=e.max_running_requests, kv_cache_gib=e.vllm_kv_cache_gib, seed=cfg.seed + i,
+                   cache_dir=str(Path(cfg.warm_start.cache_dir).parent / "vllm"), start_timeout=e.start_timeout_s)
+        for i in range(e.num_replicas)
+    ]

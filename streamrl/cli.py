@@ -22,6 +22,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    from .procs import EngineStartError
     from .rollout.ray_serve_pool import RayStartError
     from .run import run
 
@@ -30,7 +31,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
-    except RayStartError as e:
+    except (RayStartError, EngineStartError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     _print_summary(summary)

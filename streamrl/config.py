@@ -82,14 +82,25 @@ class DataConfig(_Section):
 
 class EnginesConfig(_Section):
     pool: Annotated[Pool, _d("where engines run: in-process, Ray Serve replicas, HTTP servers")] = "local"
-    num_replicas: Annotated[int, _d("engine replicas (local / ray_serve)", ge=1)] = 1
+    num_replicas: Annotated[int, _d("engine replicas (local / ray_serve / launched http servers)", ge=1)] = 1
     max_running_requests: Annotated[int, _d("concurrent requests per replica", ge=1)] = 64
     max_total_tokens: Annotated[PosIntOrNone, _d("KV-cache tokens per replica; null = engine decides")] = None
-    urls: Annotated[list[str], _d("server URLs for pool=http; empty = launch num_replicas `streamrl serve`")] = (
+    urls: Annotated[list[str], _d(
+        "server URLs for pool=http; empty = launch num_replicas servers (`streamrl serve`, or vLLM)"
+    )] = (
         msgspec.field(default_factory=list)
     )
     router: Annotated[str | None, _d("sglang-router URL, or 'launch' to start one; null = route in-process")] = None
-    backend: Annotated[Literal["sglang", "vllm"], _d("server flavour for pool=http")] = "sglang"
+    backend: Annotated[Literal["sglang", "vllm"], _d(
+        "pool=http server API: SGLang's native API (streamrl serve, SGLang) or a real vLLM server"
+    )] = "sglang"
+    vllm_python: Annotated[str | None, _d(
+        "backend=vllm: Python of vLLM's environment; null = $STREAMRL_VLLM_PYTHON or .venv-vllm/bin/python"
+    )] = None
+    vllm_kv_cache_gib: Annotated[float, _d("backend=vllm: KV cache per launched server, GiB", gt=0)] = 1.0
+    start_timeout_s: Annotated[float, _d("pool=http: seconds a launched server may take to become healthy", gt=0)] = (
+        600.0
+    )
     engine: Annotated[Literal["torch", "sglang"], _d(
         "engine inside each ray_serve replica: the embedded TorchEngine, or sglang.Engine (GPU build; unverified)"
     )] = "torch"
@@ -458,6 +469,13 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
     for i, url in enumerate(e.urls):
         if not _URL_RE.match(url):
             raise ConfigError(f"engines.urls[{i}]", f"expected an http:// or https:// URL, got '{url}'")
+    if e.backend == "vllm":
+        if e.pool != "http":
+            raise ConfigError("engines.backend", f"vllm servers need engines.pool: http, got pool '{e.pool}'")
+        if e.router is not None:
+            raise ConfigError("engines.router", "sglang-router does not front vLLM servers; set engines.router=null")
+        if e.weight_sync != "disk":
+            raise ConfigError("engines.weight_sync", "vLLM servers on CPU reload weights from disk only; use disk")
     if e.engine == "sglang" and e.pool != "ray_serve":
         raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
     if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):

@@ -22,8 +22,8 @@ import torch
 
 from .buffer import RolloutBuffer
 from .buffer.controller import StalenessController
-from .builders import TaskData, build_pool, load_task, prepare_model
-from .config import Config, ConfigError, dump_config
+from .builders import TaskData, build_pool, load_task, prepare_model, vllm_python
+from .config import Config, dump_config
 from .engine.torch_engine import resolve_device
 from .progress import RunProgress
 from .rollout.manager import RolloutManager, RolloutSettings
@@ -73,9 +73,9 @@ async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
 
 
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
-    if cfg.engines.backend == "vllm":
-        raise ConfigError("engines.backend", "the vllm backend is not available yet in this build; use sglang")
     task: TaskData = load_task(cfg)  # first: a bad dataset or reward spec stops before any work
+    if cfg.engines.backend == "vllm" and not cfg.engines.urls:
+        vllm_python(cfg)  # a missing vLLM install stops here too, not after the warm start
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))

@@ -1,10 +1,15 @@
-"""HttpPool: engines behind SGLang's native HTTP API, in their own processes.
+"""HttpPool: engines behind an HTTP API, in their own processes.
 
-Either streamrl launches `streamrl serve` processes itself (`engines.pool: http` without `urls`: one
-server per replica on a free 127.0.0.1 port) or it connects to servers the user runs (`urls`: real
-SGLang servers or `streamrl serve`). Generation goes to the least-loaded server with `return_logprob`;
-control calls (pause, resume, abort_all, weight updates) go to every server. Weights travel through a
-safetensors folder (in /dev/shm when available) and `/update_weights_from_disk`.
+Either streamrl launches servers itself (`engines.pool: http` without `urls`: one `streamrl serve`, or
+with `engines.backend: vllm` one real vLLM server, per replica on a free 127.0.0.1 port) or it connects
+to servers the user runs (`urls`: real SGLang servers, `streamrl serve`, or vLLM servers). vLLM
+servers are driven through `VLLMClient`, which gives SGLang-shaped results (engine/vllm/).
+
+Generation goes to the least-loaded server with logprobs; control calls (pause, resume, abort_all,
+weight updates) go to every server. Weights travel through a safetensors folder (in /dev/shm when
+available): SGLang's `/update_weights_from_disk`, or vLLM's `collective_rpc reload_weights`. The folder
+holds every name of the trainer's state dict, tied `lm_head.weight` included: vLLM on CPU keeps a tied
+head as its own tensor and reloads it only when the file names it.
 
 Training never shares a process with generation here: no GIL or thread-pool contention between the
 trainer and the engines.
@@ -17,7 +22,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.http.client import SGLangClient
+from ..procs import free_port, terminate_group
 from .pools import PauseGate
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
@@ -81,7 +86,7 @@ class ServerProcess:
                 log.flush()
 
     async def stop(self) -> None:
-        await _terminate(self.proc, 15)
+        await terminate_group(self.proc, 15)
 
 
 class RouterProcess:
@@ -97,7 +102,7 @@ class RouterProcess:
         self.url: str | None = None
 
     async def start(self, worker_urls: list[str], timeout: float = 60.0) -> str:
-        port, prom = _free_port(), _free_port()
+        port, prom = free_port(), free_port()
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
                "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
@@ -122,38 +127,7 @@ class RouterProcess:
                 await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
-        await _terminate(self.proc, 10)
-
-
-async def _terminate(proc: asyncio.subprocess.Process | None, grace: float) -> None:
-    """SIGTERM to the child's whole process group, then SIGKILL after `grace` seconds.
-
-    The group matters: `python -m sglang_router.launch_router` runs the router as a grandchild
-    ("sglang::router") that would outlive a signal sent to its parent alone.
-    """
-    if proc is None:
-        return
-
-    def signal_group(sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-
-    if proc.returncode is None:
-        signal_group(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), grace)
-        except TimeoutError:
-            signal_group(signal.SIGKILL)
-            await proc.wait()
-    signal_group(signal.SIGKILL)  # stragglers in the group once the leader is gone
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        await terminate_group(self.proc, 10)
 
 
 class HttpPool(PauseGate):
@@ -164,11 +138,16 @@ class HttpPool(PauseGate):
     fields; a retried request simply produces a fresh, complete result.
     """
 
-    def __init__(self, urls: list[str] | None = None, *, launch: list[ServerProcess] | None = None,
+    def __init__(self, urls: list[str] | None = None, *, launch: list[Any] | None = None,
                  router: str | None = None, router_log: Path | None = None, api_key: str | None = None,
-                 weight_sync: str = "disk") -> None:
+                 weight_sync: str = "disk", backend: str = "sglang") -> None:
         if weight_sync not in ("disk", "distributed"):
             raise ValueError(f"weight_sync must be disk or distributed, got {weight_sync!r}")
+        if backend not in ("sglang", "vllm"):
+            raise ValueError(f"backend must be sglang or vllm, got {backend!r}")
+        if backend == "vllm" and (router or weight_sync != "disk"):
+            raise ValueError("vllm servers take weights from disk and are routed in-process (no router)")
+        self.backend = backend
         self.weight_sync = weight_sync
         self._sender: Any = None
         self.urls = list(urls or [])
@@ -178,7 +157,7 @@ class HttpPool(PauseGate):
         self.router_client: SGLangClient | None = None
         self.api_key = api_key
         self.num_replicas = len(self.urls) + len(self.servers)
-        self.clients: list[SGLangClient] = []
+        self.clients: list[Any] = []  # SGLangClient or VLLMClient: the same calls, the same results
         self._inflight: list[int] = []
         super().__init__()
         self._weights_dir = Path(tempfile.mkdtemp(prefix="streamrl-weights-", dir=_fast_tmp()))
@@ -187,11 +166,17 @@ class HttpPool(PauseGate):
     async def start(self) -> None:
         if self.servers:
             self.urls += await asyncio.gather(*[s.start() for s in self.servers])
-        self.clients = [SGLangClient(u, self.api_key, timeout=None) for u in self.urls]
+        client = SGLangClient
+        if self.backend == "vllm":
+            from ..engine.vllm import VLLMClient as client  # type: ignore[assignment]
+        self.clients = [client(u, self.api_key, timeout=None) for u in self.urls]
         self._inflight = [0] * len(self.clients)
         for c, u in zip(self.clients, self.urls, strict=True):
             if not await c.health():
                 raise RuntimeError(f"engine server {u} is not healthy")
+            if self.backend == "vllm":
+                await c.check_logprobs_mode()
+                await c.update_weight_version("0")  # vLLM starts at "default"; streamrl counts from 0
         if self.weight_sync == "distributed":
             await self._connect_gloo()
         if self.router_proc is not None:
@@ -280,13 +265,10 @@ class HttpPool(PauseGate):
         return {"running": sum(self._inflight), "busy_s": self._busy_s, "replicas": self.urls}
 
     async def refresh_stats(self) -> None:
-        """Engine busy time summed over servers (from /server_info), for the idle-fraction metric."""
-        infos = await asyncio.gather(*[c.server_info() for c in self.clients], return_exceptions=True)
-        busy = 0.0
-        for info in infos:
-            if isinstance(info, dict):
-                busy += sum(float(st.get("busy_s", 0.0)) for st in info.get("internal_states", []))
-        self._busy_s = busy
+        """Engine busy time summed over servers, for the idle-fraction metric (a server that cannot
+        tell counts as 0)."""
+        busy = await asyncio.gather(*[c.busy_seconds() for c in self.clients], return_exceptions=True)
+        self._busy_s = sum(b for b in busy if isinstance(b, float))
 
 
 def _fast_tmp() -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import msgspec
@@ -36,8 +36,9 @@ def _message(body: Any, fallback: str) -> str:
     return fallback
 
 
-class SGLangClient:
-    """`async with SGLangClient("http://127.0.0.1:30000") as c: r = await c.generate([1, 5], {...})`."""
+class JsonHttpClient:
+    """One aiohttp session to one server: JSON calls, errors as `SGLangHTTPError` with the server's
+    message. The SGLang and vLLM clients add their APIs on top."""
 
     def __init__(self, base_url: str, api_key: str | None = None, *, timeout: float | None = None,
                  session: aiohttp.ClientSession | None = None) -> None:
@@ -47,7 +48,7 @@ class SGLangClient:
         self._session = session
         self._owns_session = session is None
 
-    async def __aenter__(self) -> SGLangClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -81,6 +82,17 @@ class SGLangClient:
             if r.status >= 400:
                 raise SGLangHTTPError(r.status, _message(body, r.reason or ""), body)
             return body
+
+    async def health(self) -> bool:
+        try:
+            await self.request("GET", "/health")
+        except (SGLangHTTPError, aiohttp.ClientError, OSError):
+            return False
+        return True
+
+
+class SGLangClient(JsonHttpClient):
+    """`async with SGLangClient("http://127.0.0.1:30000") as c: r = await c.generate([1, 5], {...})`."""
 
     # ---- generation ------------------------------------------------------------------------------
     @staticmethod
@@ -172,13 +184,6 @@ class SGLangClient:
             raise
         return True
 
-    async def health(self) -> bool:
-        try:
-            await self.request("GET", "/health")
-        except (SGLangHTTPError, aiohttp.ClientError, OSError):
-            return False
-        return True
-
     async def _get_either(self, path: str) -> Any:
         try:
             return await self.request("GET", path)
@@ -192,6 +197,11 @@ class SGLangClient:
 
     async def server_info(self) -> dict[str, Any]:
         return await self._get_either("/server_info")
+
+    async def busy_seconds(self) -> float:
+        """Seconds the server's engines have spent generating (streamrl serve's /server_info)."""
+        info = await self.server_info()
+        return sum(float(st.get("busy_s", 0.0)) for st in info.get("internal_states", []))
 
     async def loads(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/loads")

@@ -1,0 +1,204 @@
+"""`VLLMClient`: drives a real vLLM server (`--enable-scale-out`, `VLLM_SERVER_DEV_MODE=1`) with the
+same calls and the same SGLang-shaped results as `SGLangClient`, so `HttpPool` and the rollout
+manager do not know which server they talk to.
+
+- Generation: `/inference/v1/generate`, token ids in, token ids + sampled-token logprobs out,
+  streamed (one SSE chunk per step) and accumulated into SGLang's `/generate` result, including
+  `weight_versions` spans. SGLang's sampling parameter names are translated; names vLLM would
+  silently ignore are rejected here.
+- Behaviour logprobs: streamrl's trainer scores tokens under softmax(logits / T). vLLM reports raw
+  logprobs (before temperature) unless the server runs with `--logprobs-mode processed_logprobs`;
+  `check_logprobs_mode` refuses a server in any other mode (at T != 1 the importance weights would
+  be wrong by a factor that grows with the distance of T from 1).
+- Control: abort by request id maps to vLLM's server-side id `generate-tokens-<rid>`; pause maps
+  SGLang's modes (abort / in_place / retract) and vLLM's own (abort / keep / wait); a weight update
+  from a folder is `collective_rpc reload_weights` + `update_weight_version` + `reset_prefix_cache`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from ..http.client import JsonHttpClient, SGLangHTTPError, _message
+from ..protocol import EngineError, SamplingParams, build_result, extend_version_spans, finish_reason
+
+# SGLang name -> vLLM name, for the parameters both engines implement.
+_RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_tokens": "min_tokens"}
+_SAME = ("temperature", "top_p", "min_p", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
+         "frequency_penalty", "presence_penalty", "repetition_penalty")
+PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep", "keep": "keep", "wait": "wait"}
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def vllm_sampling_params(sampling_params: dict[str, Any] | None, return_logprob: bool) -> dict[str, Any]:
+    """SGLang sampling parameters -> vLLM's; unknown names and out-of-range values raise EngineError."""
+    sp = SamplingParams.from_dict(sampling_params)  # SGLang's names, types and defaults
+    if sp.n != 1:
+        raise EngineError("n > 1 is not supported: send one request per sample")
+    given = set(sampling_params or {})
+    out: dict[str, Any] = {"max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+                           "top_k": sp.top_k if sp.top_k > 0 else 0}
+    for name in _SAME:
+        if name in given:
+            out[name] = getattr(sp, name)
+    for name, vname in _RENAMED.items():
+        if name in given and getattr(sp, name) is not None:
+            out[vname] = getattr(sp, name)
+    if "no_stop_trim" in given:
+        out["include_stop_str_in_output"] = sp.no_stop_trim
+    if return_logprob:
+        out["logprobs"] = 0  # the sampled token's logprob only
+    return out
+
+
+class VLLMClient(JsonHttpClient):
+    """`async with VLLMClient("http://127.0.0.1:8000") as c: r = await c.generate([1, 5], {...})`."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, *, timeout: float | None = None) -> None:
+        super().__init__(base_url, api_key, timeout=timeout)
+        # vLLM has no busy-time counter: count wall time with at least one request outstanding.
+        self._outstanding = 0
+        self._busy_since = 0.0
+        self._busy_s = 0.0
+        self.in_flight: dict[str, int] = {}  # rid -> tokens received so far, while it streams
+
+    # ---- generation ------------------------------------------------------------------------------
+    async def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
+                              rid: str | None = None, *, return_logprob: bool = True) -> AsyncIterator[dict[str, Any]]:
+        """vLLM's stream chunks, unchanged (each carries the tokens of one step). Closing the
+        iterator early drops the connection, which makes vLLM abort the request."""
+        if not input_ids or not all(isinstance(t, int) and t >= 0 for t in input_ids):
+            raise EngineError("input_ids must be a non-empty list of token ids")
+        body: dict[str, Any] = {"token_ids": list(input_ids), "stream": True, "output_mode": "tokens",
+                                "sampling_params": vllm_sampling_params(sampling_params, return_logprob)}
+        if rid is not None:
+            body["request_id"] = rid
+        r = await self._s().post(self.base_url + "/inference/v1/generate", data=msgspec.json.encode(body),
+                                 headers={"Content-Type": "application/json"})
+        try:
+            if r.status >= 400:
+                raw = await r.read()
+                err = msgspec.json.decode(raw) if raw.startswith(b"{") else raw.decode(errors="replace")
+                raise SGLangHTTPError(r.status, _message(err, r.reason or ""), err)
+            buf = b""
+            async for piece in r.content.iter_any():
+                buf += piece
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    data = event.removeprefix(b"data:").strip()
+                    if not data or data == b"[DONE]":
+                        continue
+                    obj = msgspec.json.decode(data)
+                    if "error" in obj:  # vLLM reports a bad request in-band once streaming began
+                        e = obj["error"]
+                        raise SGLangHTTPError(int(e.get("code", 400)) if isinstance(e, dict) else 400,
+                                              _message(obj, "stream error"), obj)
+                    yield obj
+        finally:
+            r.close()
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
+                       rid: str | None = None, *, return_logprob: bool = True) -> dict[str, Any]:
+        """One request, streamed and accumulated into SGLang's `/generate` result."""
+        t0 = time.monotonic()
+        rid = rid or f"streamrl-{time.monotonic_ns()}"
+        ids: list[int] = []
+        lps: list[float] = []
+        spans: list[dict[str, Any]] | None = None
+        finish, matched = "abort", None
+        self._enter()
+        self.in_flight[rid] = 0
+        try:
+            async for chunk in self.generate_stream(input_ids, sampling_params, rid, return_logprob=return_logprob):
+                choice = chunk["choices"][0]
+                ids += choice.get("token_ids") or []
+                self.in_flight[rid] = len(ids)
+                content = (choice.get("logprobs") or {}).get("content") or []
+                lps += [float(c["logprob"]) for c in content]
+                if choice.get("finish_reason") is not None:
+                    finish, matched = choice["finish_reason"], choice.get("stop_reason")
+                    spans = choice.get("weight_versions")
+        finally:
+            self._leave()
+            self.in_flight.pop(rid, None)
+        if return_logprob and len(lps) != len(ids):
+            raise SGLangHTTPError(502, f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs")
+        if not return_logprob:
+            lps = [0.0] * len(ids)
+        if not spans:  # aborted before the final chunk: version unknown, as for a server that has none
+            spans = []
+            if ids:
+                extend_version_spans(spans, "default", len(ids), len(ids))
+        kind = _FINISH.get(finish, "stop")  # vLLM's other reasons (e.g. repetition) end the sample
+        extra = {"matched": matched} if matched is not None else {}
+        version = str(spans[-1]["version"]) if spans else "default"
+        return build_result(
+            rid=rid, text="", output_ids=ids, logprobs=lps, finish=finish_reason(kind, **extra),  # type: ignore[arg-type]
+            prompt_tokens=len(input_ids), weight_version=version,
+            weight_versions=[{"version": str(s["version"]), "start": s["start"], "end": s["end"]} for s in spans],
+            e2e_latency=time.monotonic() - t0,
+        )
+
+    def _enter(self) -> None:
+        if self._outstanding == 0:
+            self._busy_since = time.monotonic()
+        self._outstanding += 1
+
+    def _leave(self) -> None:
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._busy_s += time.monotonic() - self._busy_since
+
+    async def busy_seconds(self) -> float:
+        """Wall seconds with at least one request outstanding (vLLM exposes no busy counter)."""
+        now = self._busy_s
+        return now + (time.monotonic() - self._busy_since if self._outstanding else 0.0)
+
+    # ---- control ---------------------------------------------------------------------------------
+    async def abort(self, rid: str) -> None:
+        # vLLM prefixes the caller's id; with the bare id it answers 200 and aborts nothing.
+        await self.request("POST", "/inference/v1/abort_requests", {"request_ids": [f"generate-tokens-{rid}"]})
+
+    async def abort_all(self) -> None:
+        await self.request("POST", "/abort_requests", {})
+
+    async def pause(self, mode: str = "abort") -> dict[str, Any]:
+        """abort: in-flight requests end now with their partial tokens; keep (SGLang's in_place):
+        they freeze and continue after resume; wait: returns once they finished. Requests sent while
+        paused wait for resume."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
+        return await self.request("POST", f"/pause?mode={PAUSE_MODES[mode]}")
+
+    async def resume(self) -> dict[str, Any]:
+        return await self.request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self.request("GET", "/is_paused"))["is_paused"])
+
+    async def update_weights_from_disk(self, path: str, version: str | None = None) -> None:
+        """Reload every weight from a safetensors folder, then label later tokens with `version`.
+        Call while paused: vLLM swaps weights under running requests otherwise."""
+        await self.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        if version is not None:
+            await self.update_weight_version(str(version))
+        await self.request("POST", "/reset_prefix_cache")  # cached KV was computed by the old weights
+
+    async def update_weight_version(self, version: str) -> None:
+        await self.request("POST", "/update_weight_version", {"new_version": str(version)})
+
+    async def server_config(self) -> dict[str, Any]:
+        return (await self.request("GET", "/server_info?config_format=json"))["vllm_config"]
+
+    async def check_logprobs_mode(self) -> None:
+        """Refuse a server whose logprobs are not the sampling distribution's (see module doc)."""
+        mode = (await self.server_config()).get("model_config", {}).get("logprobs_mode")
+        if mode != "processed_logprobs":
+            raise RuntimeError(
+                f"vLLM server {self.base_url} reports logprobs_mode={mode!r}; streamrl needs the "
+                "sampling distribution's logprobs: start it with --logprobs-mode processed_logprobs"
+            )
