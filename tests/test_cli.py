@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import processes_mentioning, quickstart_until_first_step, sigterm_and_expect_interrupted
 
 STREAMRL = [sys.executable, "-m", "streamrl.cli"]
 
@@ -87,58 +88,11 @@ def test_init_model_and_generate(tmp_path: Path) -> None:
 def test_sigterm_stops_run_and_its_engine_servers(tmp_path: Path) -> None:
     """A run with launched `streamrl serve` processes and a router, stopped by SIGTERM mid-way:
     exit status 130, one line, no process left behind."""
-    p, run_dir, model = _quickstart_until_first_step(tmp_path, "engines.pool=http", "engines.router=launch")
-    _sigterm_and_expect_interrupted(p)
-    assert not _processes_mentioning(b"sglang::router")
-    assert not _processes_mentioning(str(model).encode())
+    p, run_dir, model = quickstart_until_first_step(tmp_path, "engines.pool=http", "engines.router=launch")
+    sigterm_and_expect_interrupted(p)
+    assert not processes_mentioning(b"sglang::router")
+    assert not processes_mentioning(str(model).encode())
     assert (run_dir / "logs" / "engine-0.log").is_file()
-
-
-def _quickstart_until_first_step(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path, Path]:
-    """The quickstart on a fresh tiny model (no warm start), started in the background; returns once
-    its first training step is in metrics.jsonl."""
-    import time
-
-    from streamrl.tasks import build_tiny_model
-
-    model = build_tiny_model(tmp_path / "m", preset="tiny")
-    run_dir = tmp_path / "run"
-    cmd = [*STREAMRL, "run", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), "--no-progress",
-           "--set", f"run_dir={run_dir}", "--set", f"model.path={model}", "--set", "model.init=none",
-           "--set", "warm_start.enabled=false"]
-    for item in sets:
-        cmd += ["--set", item]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    deadline = time.monotonic() + 120
-    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
-        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else ""
-        time.sleep(0.5)
-    return p, run_dir, model
-
-
-def _sigterm_and_expect_interrupted(p: subprocess.Popen) -> None:
-    import signal
-
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err[-2000:]
-    assert err.strip().splitlines()[-1] == "interrupted"
-
-
-def _processes_mentioning(needle: bytes) -> list[bytes]:
-    import os
-
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if needle in cmdline:
-            found.append(cmdline)
-    return found
 
 
 def test_sigterm_stops_a_ray_serve_run_and_its_ray_session(tmp_path: Path) -> None:
@@ -147,14 +101,14 @@ def test_sigterm_stops_a_ray_serve_run_and_its_ray_session(tmp_path: Path) -> No
     import os
     import time
 
-    p, run_dir, _ = _quickstart_until_first_step(tmp_path, "engines.pool=ray_serve", "engines.num_replicas=2")
+    p, run_dir, _ = quickstart_until_first_step(tmp_path, "engines.pool=ray_serve", "engines.num_replicas=2")
     ray_dir = os.path.realpath(run_dir / "ray")  # a short folder in /tmp when the run path is long
-    assert _processes_mentioning(ray_dir.encode()), "the Ray session should be running under the run folder"
-    _sigterm_and_expect_interrupted(p)
+    assert processes_mentioning(ray_dir.encode()), "the Ray session should be running under the run folder"
+    sigterm_and_expect_interrupted(p)
     deadline = time.monotonic() + 10
-    while _processes_mentioning(ray_dir.encode()) and time.monotonic() < deadline:
+    while processes_mentioning(ray_dir.encode()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _processes_mentioning(ray_dir.encode())
+    assert not processes_mentioning(ray_dir.encode())
 
 
 def test_unreachable_ray_address_is_one_clear_line(tmp_path: Path) -> None:

@@ -5,14 +5,12 @@ in CI; they skip only where that environment is missing, and say so."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import running_vllm_server
 from transformers import AutoModelForCausalLM
 
 from streamrl.engine.http.client import SGLangHTTPError
@@ -43,27 +41,8 @@ def server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     if PYTHON is None:
         pytest.skip("vLLM is not installed here: run bash scripts/setup_vllm.sh")
     log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    spec = VLLMServer(PYTHON, str(models[0]), log_path=log, max_num_seqs=8, cache_dir=str(REPO / ".cache" / "vllm"))
-    with log.open("ab") as out:
-        proc = subprocess.Popen(spec.cmd, env=spec.env, stdout=out, stderr=out, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(spec.url + "/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "vLLM did not start in 600 s"
-                time.sleep(0.5)
-        yield spec.url
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    with running_vllm_server(PYTHON, models[0], log, max_num_seqs=8) as url:
+        yield url
 
 
 def transformers_logprobs(model_dir: Path, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:

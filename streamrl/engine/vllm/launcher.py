@@ -24,11 +24,12 @@ ENV_PYTHON = "STREAMRL_VLLM_PYTHON"
 
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
-    """The Python that has vLLM: `explicit`, else $STREAMRL_VLLM_PYTHON, else `.venv-vllm/bin/python`
-    in the working folder or beside this checkout. None when none exists."""
+    """The Python that has vLLM: `explicit` (only it, when given), else $STREAMRL_VLLM_PYTHON, else
+    `.venv-vllm/bin/python` in the working folder or beside this checkout. None when none exists."""
     here = Path(__file__).resolve().parents[3]
-    for cand in (explicit, os.environ.get(ENV_PYTHON), f"{DEFAULT_VENV}/bin/python",
-                 str(here / DEFAULT_VENV / "bin" / "python")):
+    cands = [explicit] if explicit else [os.environ.get(ENV_PYTHON), f"{DEFAULT_VENV}/bin/python",
+                                          str(here / DEFAULT_VENV / "bin" / "python")]
+    for cand in cands:
         if cand and (Path(cand).is_file() or (os.sep not in cand and shutil.which(cand))):
             return cand
     return None

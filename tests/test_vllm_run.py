@@ -1,0 +1,167 @@
+"""`streamrl run` with real vLLM servers: the quickstart learns on a server streamrl launches; an
+async run resumes partial samples across weight updates on a server the user gives (URL) and
+discards nothing; Ctrl-C/SIGTERM leaves no vLLM process behind; config mistakes are one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import (
+    REPO,
+    STREAMRL,
+    processes_mentioning,
+    quickstart_until_first_step,
+    running_vllm_server,
+    sigterm_and_expect_interrupted,
+)
+from test_run import read_groups, read_metrics, small_cfg
+
+from streamrl.config import ConfigError, config_from_dict
+from streamrl.engine.vllm import find_vllm_python
+from streamrl.run import run
+
+PYTHON = find_vllm_python()
+needs_vllm = pytest.mark.skipif(PYTHON is None, reason="vLLM is not installed here: run bash scripts/setup_vllm.sh")
+VLLM = [b"vllm.entrypoints.openai.api_server"]
+
+
+def vllm_processes_for(model: Path) -> list[bytes]:
+    return [c for c in processes_mentioning(VLLM[0]) if str(model).encode() in c]
+
+
+def process_tree(needle: bytes) -> set[int]:
+    """PIDs of the processes whose command line has `needle`, and all their descendants (vLLM's
+    engine core runs as a child named VLLM::EngineCore)."""
+    parents: dict[int, int] = {}
+    roots = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            if needle in (proc / "cmdline").read_bytes():
+                roots.add(int(proc.name))
+        except OSError:
+            continue
+        parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, grew = set(roots), True
+    while grew:
+        kids = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= kids
+        grew = bool(kids)
+    return tree
+
+
+def alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if Path(f"/proc/{pid}").exists()
+            and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]}
+
+
+@pytest.mark.parametrize(("sets", "key"), [
+    ({"engines": {"backend": "vllm"}}, "engines.backend"),  # pool local
+    ({"engines": {"pool": "http", "backend": "vllm", "router": "launch"}}, "engines.router"),
+    ({"engines": {"pool": "http", "backend": "vllm", "weight_sync": "distributed"}}, "engines.weight_sync"),
+])
+def test_vllm_config_mistakes_name_the_key(tmp_path: Path, sets: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(small_cfg(tmp_path, tmp_path, model={"path": str(tmp_path), "init": "tiny"}, **sets))
+    assert e.value.key == key
+
+
+def test_missing_vllm_install_is_one_line_before_any_work(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    p = subprocess.run([*STREAMRL, "run", str(REPO / "configs" / "quickstart.yaml"), "--no-progress",
+                        "--set", f"run_dir={tmp_path / 'run'}", "--set", "engines.pool=http",
+                        "--set", "engines.backend=vllm", "--set", f"engines.vllm_python={tmp_path / 'nope'}"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"config error: engines.vllm_python: '{tmp_path / 'nope'}' does not exist; run `bash scripts/setup_vllm.sh` "
+        "(builds .venv-vllm) or point engines.vllm_python at a Python that has vllm"]
+    assert time.monotonic() - t0 < 60  # no warm start, no server
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_quickstart_learns_on_a_vllm_server_streamrl_launches(tmp_path: Path) -> None:
+    """The README's quickstart, shortened, with `engines.pool: http` + `backend: vllm`: streamrl starts
+    one real vLLM server, trains asynchronously (η = 1, partial resume, decoupled PPO) and stops it."""
+    run_dir = tmp_path / "qs"
+    p = subprocess.run(
+        [*STREAMRL, "run", str(REPO / "configs" / "quickstart.yaml"), "--no-progress",
+         "--set", f"run_dir={run_dir}", "--set", "trainer.steps=200",
+         "--set", "engines.pool=http", "--set", "engines.backend=vllm",
+         "--set", f"model.path={REPO / '.cache' / 'streamrl' / 'tiny-model'}",
+         "--set", f"warm_start.cache_dir={REPO / '.cache' / 'streamrl'}"],
+        capture_output=True, text=True, timeout=1200, cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    first = sum(r["reward_mean"] for r in rows[:40]) / 40
+    last = sum(r["reward_mean"] for r in rows[-40:]) / 40
+    assert last > first + 0.1, (first, last)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_after"]["sampled"] > summary["eval_before"]["sampled"] + 0.1
+    # vLLM's behaviour logprobs are the trainer's: on-policy tokens agree (the run's own check).
+    assert max(r["logprob_mismatch"] for r in rows if r["logprob_mismatch"] is not None) < 1e-3
+    assert sum(r["partial_resumed"] for r in rows) > 0
+    assert sum(r["tokens_discarded"] for r in rows) == 0
+    assert max(r["staleness_max"] for r in rows) <= 1
+    assert (run_dir / "logs" / "vllm-0.log").is_file()
+    assert not vllm_processes_for(Path(summary["model_dir"]))
+
+
+@pytest.fixture(scope="module")
+def user_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A vLLM server the "user" started (streamrl connects by URL), on the tests' tiny model."""
+    if PYTHON is None:
+        pytest.skip("vLLM is not installed here: run bash scripts/setup_vllm.sh")
+    from safetensors.torch import load_file, save_file
+
+    from streamrl.tasks.tiny_model import EOS_ID, build_tiny_model
+
+    d = tmp_path_factory.mktemp("vllm-run")
+    model = build_tiny_model(d / "tiny", preset="tiny", seed=0, initializer_range=0.5, max_position_embeddings=256)
+    # A model that (almost) never says <eos>, served one sequence at a time: every sample runs its whole
+    # budget, generation is the bottleneck by a wide margin, and weight updates find samples in flight.
+    weights = load_file(model / "model.safetensors")
+    weights["model.embed_tokens.weight"][EOS_ID] = 0.0  # tied head: the <eos> logit is 0, others are large
+    save_file(weights, model / "model.safetensors")
+    with running_vllm_server(PYTHON, model, d / "vllm.log", max_num_seqs=1) as url:
+        yield url, model
+
+
+@needs_vllm
+@pytest.mark.slow
+async def test_async_run_on_vllm_resumes_partials_and_discards_nothing(tmp_path: Path, user_server) -> None:  # noqa: ANN001
+    url, model = user_server
+    cfg = config_from_dict(small_cfg(
+        tmp_path, model, controller={"max_staleness": 2}, trainer={"steps": 6, "batch_groups": 2}, data={"eval_size": 4},
+        rollout={"group_size": 4, "max_new_tokens": 100}, engines={"pool": "http", "backend": "vllm", "urls": [url]},
+    ))
+    await run(cfg, show_progress=False, log=lambda *_: None)
+    rows = read_metrics(Path(cfg.run_dir))
+    assert sum(r["partial_resumed"] for r in rows) > 0
+    assert sum(r["tokens_discarded"] for r in rows) == 0
+    assert max(r["staleness_max"] for r in rows) <= 2
+    groups = read_groups(Path(cfg.run_dir))
+    for step, g in enumerate(groups):
+        for s in g.samples:
+            assert len(s.response_ids) == len(s.logprobs) == len(s.versions)
+            assert s.versions == sorted(s.versions)
+            assert step // 2 - min(s.versions) <= 2  # trained within η of every token's version
+    assert any(len(set(s.versions)) > 1 for g in groups for s in g.samples)  # resumed across versions
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_sigterm_stops_a_vllm_run_and_its_servers(tmp_path: Path) -> None:
+    p, _, model = quickstart_until_first_step(tmp_path, "engines.pool=http", "engines.backend=vllm", timeout=600)
+    tree = process_tree(str(model).encode())
+    assert vllm_processes_for(model) and len(tree) >= 2, "the run's vLLM server and engine core should be up"
+    sigterm_and_expect_interrupted(p)
+    assert not alive(tree)
