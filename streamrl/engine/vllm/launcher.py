@@ -50,6 +50,7 @@ class VLLMServer:
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
             "--port", str(self.port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--seed", str(seed),
             "--enable-scale-out",
+            "--disable-uvicorn-access-log",  # a line per request: ~1 MB of log per quickstart minute
             # The trainer scores tokens under softmax(logits / T): report the same distribution.
             "--logprobs-mode", "processed_logprobs",
             *(extra_args or []),
