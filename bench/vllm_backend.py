@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quickstart-steps", type=int, default=1000)
     ap.add_argument("--skip-quickstart", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "vllm_backend.json"))
+    ap.add_argument("--log-dir", default=str(Path(tempfile.gettempdir()) / "streamrl-bench-vllm"),
+                    help="vLLM server logs (kept, to diagnose a failed side)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     python = find_vllm_python()
@@ -150,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[dict] = []
         for preset in args.models.split(","):
             path = build_tiny_model(Path(tmp) / preset, preset=preset, seed=args.seed)
-            rows += bench_model(preset, str(path), python, args.requests, args.concurrency, args.seed, Path(tmp))
+            log_dir = Path(args.log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            rows += bench_model(preset, str(path), python, args.requests, args.concurrency, args.seed, log_dir)
         out["throughput"] = rows
         if not args.skip_quickstart:
             qs = {"steps": args.quickstart_steps}
