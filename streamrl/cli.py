@@ -44,9 +44,18 @@ def _run_async(coro):  # noqa: ANN001, ANN202
     async def guarded():  # noqa: ANN202
         task = asyncio.ensure_future(coro)
         loop = asyncio.get_running_loop()
+        signalled: list[int] = []
+
+        def stop(sig: int) -> None:
+            # Only the first signal cancels: a second one during cleanup would cut it short and leave
+            # engine servers (their own process groups, out of the terminal's reach) running.
+            if not signalled:
+                signalled.append(sig)
+                task.cancel()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, task.cancel)
+                loop.add_signal_handler(sig, stop, sig)
         try:
             return await task
         except asyncio.CancelledError:

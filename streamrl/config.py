@@ -476,6 +476,9 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             raise ConfigError("engines.router", "sglang-router does not front vLLM servers; set engines.router=null")
         if e.weight_sync != "disk":
             raise ConfigError("engines.weight_sync", "vLLM servers on CPU reload weights from disk only; use disk")
+        if 0 < cfg.rollout.temperature < 0.01:
+            raise ConfigError("rollout.temperature", "vLLM samples at >= 0.01 (it raises smaller values); "
+                                                     f"use 0 (greedy) or >= 0.01, got {cfg.rollout.temperature}")
     if e.engine == "sglang" and e.pool != "ray_serve":
         raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
     if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):

@@ -121,6 +121,10 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     samples_file = (run_dir / "samples.jsonl").open("wb") if cfg.save_samples else None
     try:
         await pool.start()  # inside try: servers already launched are stopped if this fails
+        if cfg.engines.urls:
+            # Servers the user runs may hold other weights (a previous run's policy): start them from
+            # the trainer's, so version 0 means the same weights everywhere.
+            await pool.update_weights(trainer.state_dict_for_engines(), trainer.version)
         summary["eval_before"] = {
             "greedy": await evaluate(manager, pool, task.held_out, 0.0, ro.max_new_tokens),
             "sampled": await evaluate(manager, pool, task.held_out, ro.temperature, ro.max_new_tokens),

@@ -85,8 +85,8 @@ def running_vllm_server(python: str, model_dir: Path, log: Path, **kw: object) -
         yield spec.url
     finally:
         os.killpg(proc.pid, 15)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)  # whatever of the group outlived its leader
+        proc.wait()

@@ -65,6 +65,7 @@ def alive(pids: set[int]) -> set[int]:
     ({"engines": {"backend": "vllm"}}, "engines.backend"),  # pool local
     ({"engines": {"pool": "http", "backend": "vllm", "router": "launch"}}, "engines.router"),
     ({"engines": {"pool": "http", "backend": "vllm", "weight_sync": "distributed"}}, "engines.weight_sync"),
+    ({"engines": {"pool": "http", "backend": "vllm"}, "rollout": {"temperature": 0.005}}, "rollout.temperature"),
 ])
 def test_vllm_config_mistakes_name_the_key(tmp_path: Path, sets: dict, key: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -112,7 +113,10 @@ def test_quickstart_learns_on_a_vllm_server_streamrl_launches(tmp_path: Path) ->
     assert sum(r["tokens_discarded"] for r in rows) == 0
     assert max(r["staleness_max"] for r in rows) <= 1
     assert (run_dir / "logs" / "vllm-0.log").is_file()
+    # Nothing of the server is left: neither the API server nor its engine core (VLLM::EngineCore,
+    # which renames itself; no other vLLM runs while this module's first test does).
     assert not vllm_processes_for(Path(summary["model_dir"]))
+    assert not processes_mentioning(b"VLLM::")
 
 
 @pytest.fixture(scope="module")
@@ -163,5 +167,6 @@ def test_sigterm_stops_a_vllm_run_and_its_servers(tmp_path: Path) -> None:
     p, _, model = quickstart_until_first_step(tmp_path, "engines.pool=http", "engines.backend=vllm", timeout=600)
     tree = process_tree(str(model).encode())
     assert vllm_processes_for(model) and len(tree) >= 2, "the run's vLLM server and engine core should be up"
+    assert processes_mentioning(b"VLLM::"), "vLLM's engine core names itself VLLM::... (the quickstart test relies on it)"
     sigterm_and_expect_interrupted(p)
     assert not alive(tree)

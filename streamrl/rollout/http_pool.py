@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.http.client import SGLangClient
-from ..procs import free_port, terminate_group
+from ..procs import EngineStartError, free_port, terminate_group
 from .pools import PauseGate
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
@@ -173,9 +173,9 @@ class HttpPool(PauseGate):
         self._inflight = [0] * len(self.clients)
         for c, u in zip(self.clients, self.urls, strict=True):
             if not await c.health():
-                raise RuntimeError(f"engine server {u} is not healthy")
+                raise EngineStartError(f"engine server {u} is not healthy (or not listening)")
             if self.backend == "vllm":
-                await c.check_logprobs_mode()
+                await c.check_server()
                 await c.update_weight_version("0")  # vLLM starts at "default"; streamrl counts from 0
         if self.weight_sync == "distributed":
             await self._connect_gloo()

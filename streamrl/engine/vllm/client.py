@@ -8,7 +8,7 @@ manager do not know which server they talk to.
   silently ignore are rejected here.
 - Behaviour logprobs: streamrl's trainer scores tokens under softmax(logits / T). vLLM reports raw
   logprobs (before temperature) unless the server runs with `--logprobs-mode processed_logprobs`;
-  `check_logprobs_mode` refuses a server in any other mode (at T != 1 the importance weights would
+  `check_server` refuses a server in any other mode (at T != 1 the importance weights would
   be wrong by a factor that grows with the distance of T from 1).
 - Control: abort by request id maps to vLLM's server-side id `generate-tokens-<rid>`; pause maps
   SGLang's modes (abort / in_place / retract) and vLLM's own (abort / keep / wait); a weight update
@@ -32,13 +32,25 @@ _SAME = ("temperature", "top_p", "min_p", "stop_token_ids", "stop", "ignore_eos"
          "frequency_penalty", "presence_penalty", "repetition_penalty")
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep", "keep": "keep", "wait": "wait"}
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+MIN_TEMPERATURE = 0.01  # vLLM raises a sampled request's temperature to this (SamplingParams._MAX_TEMP)
 
 
 def vllm_sampling_params(sampling_params: dict[str, Any] | None, return_logprob: bool) -> dict[str, Any]:
     """SGLang sampling parameters -> vLLM's; unknown names and out-of-range values raise EngineError."""
     sp = SamplingParams.from_dict(sampling_params)  # SGLang's names, types and defaults
-    if sp.n != 1:
-        raise EngineError("n > 1 is not supported: send one request per sample")
+    checks = [
+        (sp.n == 1, "n > 1 is not supported: send one request per sample"),
+        (sp.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {sp.max_new_tokens}"),
+        (sp.temperature == 0 or sp.temperature >= MIN_TEMPERATURE,
+         f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE} (vLLM raises smaller values to "
+         f"{MIN_TEMPERATURE}, so its logprobs would not be at the requested temperature), got {sp.temperature}"),
+        (0 < sp.top_p <= 1, f"top_p must be in (0, 1], got {sp.top_p}"),
+        (sp.top_k == -1 or sp.top_k >= 1, f"top_k must be -1 or >= 1, got {sp.top_k}"),
+        (0 <= sp.min_p <= 1, f"min_p must be in [0, 1], got {sp.min_p}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise EngineError(msg)
     given = set(sampling_params or {})
     out: dict[str, Any] = {"max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
                            "top_k": sp.top_k if sp.top_k > 0 else 0}
@@ -109,7 +121,7 @@ class VLLMClient(JsonHttpClient):
         ids: list[int] = []
         lps: list[float] = []
         spans: list[dict[str, Any]] | None = None
-        finish, matched = "abort", None
+        finish, matched = None, None
         self._enter()
         self.in_flight[rid] = 0
         try:
@@ -125,11 +137,13 @@ class VLLMClient(JsonHttpClient):
         finally:
             self._leave()
             self.in_flight.pop(rid, None)
+        if finish is None:  # without the final chunk the tokens' weight versions are unknown
+            raise SGLangHTTPError(502, f"vLLM's stream for {rid} ended without a final chunk")
         if return_logprob and len(lps) != len(ids):
             raise SGLangHTTPError(502, f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs")
         if not return_logprob:
             lps = [0.0] * len(ids)
-        if not spans:  # aborted before the final chunk: version unknown, as for a server that has none
+        if not spans:  # a server too old to label versions
             spans = []
             if ids:
                 extend_version_spans(spans, "default", len(ids), len(ids))
@@ -194,11 +208,28 @@ class VLLMClient(JsonHttpClient):
     async def server_config(self) -> dict[str, Any]:
         return (await self.request("GET", "/server_info?config_format=json"))["vllm_config"]
 
-    async def check_logprobs_mode(self) -> None:
-        """Refuse a server whose logprobs are not the sampling distribution's (see module doc)."""
-        mode = (await self.server_config()).get("model_config", {}).get("logprobs_mode")
+    async def check_server(self) -> None:
+        """Refuse a server streamrl cannot drive correctly, with a message that says how to start it:
+        dev mode (pause, reload, versions), the token API, and logprobs at the sampling temperature."""
+        from ...procs import EngineStartError
+
+        where = f"vLLM server {self.base_url}"
+        try:
+            config = await self.server_config()
+        except SGLangHTTPError as e:
+            if e.status == 404:
+                raise EngineStartError(f"{where} has no /server_info: start it with VLLM_SERVER_DEV_MODE=1 "
+                                       "(streamrl needs /pause, /collective_rpc and weight versions)") from None
+            raise
+        try:
+            await self.request("POST", "/inference/v1/abort_requests", {"request_ids": []})
+        except SGLangHTTPError as e:
+            if e.status == 404:
+                raise EngineStartError(f"{where} has no token API: start it with --enable-scale-out") from None
+            raise
+        mode = config.get("model_config", {}).get("logprobs_mode")
         if mode != "processed_logprobs":
-            raise RuntimeError(
-                f"vLLM server {self.base_url} reports logprobs_mode={mode!r}; streamrl needs the "
-                "sampling distribution's logprobs: start it with --logprobs-mode processed_logprobs"
+            raise EngineStartError(
+                f"{where} reports logprobs_mode={mode!r}; streamrl needs the sampling distribution's "
+                "logprobs: start it with --logprobs-mode processed_logprobs"
             )

@@ -24,13 +24,13 @@ ENV_PYTHON = "STREAMRL_VLLM_PYTHON"
 
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
-    """The Python that has vLLM: `explicit` (only it, when given), else $STREAMRL_VLLM_PYTHON, else
+    """The (executable) Python that has vLLM: `explicit` (only it, when given), else $STREAMRL_VLLM_PYTHON, else
     `.venv-vllm/bin/python` in the working folder or beside this checkout. None when none exists."""
     here = Path(__file__).resolve().parents[3]
     cands = [explicit] if explicit else [os.environ.get(ENV_PYTHON), f"{DEFAULT_VENV}/bin/python",
                                           str(here / DEFAULT_VENV / "bin" / "python")]
     for cand in cands:
-        if cand and (Path(cand).is_file() or (os.sep not in cand and shutil.which(cand))):
+        if cand and ((Path(cand).is_file() and os.access(cand, os.X_OK)) or (os.sep not in cand and shutil.which(cand))):
             return cand
     return None
 
@@ -81,6 +81,7 @@ class VLLMServer:
         async with JsonHttpClient(self.url, timeout=5) as c:
             while True:
                 if self.proc.returncode is not None:
+                    await self.stop()  # the engine core may outlive its parent
                     raise EngineStartError(f"vLLM server exited with status {self.proc.returncode} before it was "
                                        f"healthy; see {self.log_path}:\n{self._tail()}")
                 if await c.health():
