@@ -65,7 +65,7 @@ def run_generate(model, reqs, batch: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
-async def run_engine(engine: TorchEngine, reqs, seed: int) -> float:
+async def run_engine(engine, reqs, seed: int) -> float:  # noqa: ANN001 - TorchEngine or VLLMClient: same generate()
     t0 = time.perf_counter()
     results = await asyncio.gather(*[
         engine.generate(p, {"max_new_tokens": n, "ignore_eos": True, "temperature": 1.0, "sampling_seed": seed + i})

@@ -43,17 +43,6 @@ REPO = Path(__file__).parents[1]
 RESULTS = Path(__file__).parent / "results"
 
 
-async def run_vllm(client: VLLMClient, reqs, seed: int) -> float:
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*[
-        client.generate(p, {"max_new_tokens": n, "ignore_eos": True, "temperature": 1.0, "sampling_seed": seed + i})
-        for i, (p, n) in enumerate(reqs)
-    ])
-    wall = time.perf_counter() - t0
-    assert all(r["meta_info"]["completion_tokens"] == n for r, (_, n) in zip(results, reqs, strict=True))
-    return wall
-
-
 async def vllm_side(python: str, path: str, batch: int, workloads: dict, seed: int, log: Path,
                     cpu_bind: str | None) -> tuple[dict, float]:
     server = VLLMServer(python, path, log_path=log, max_num_seqs=batch, cpu_bind=cpu_bind,
@@ -65,8 +54,8 @@ async def vllm_side(python: str, path: str, batch: int, workloads: dict, seed: i
         async with VLLMClient(url) as c:
             walls = {}
             for kind, reqs in workloads.items():
-                await run_vllm(c, reqs, seed + 1)  # warm-up (compiles the batch shapes)
-                walls[kind] = await run_vllm(c, reqs, seed)
+                await run_engine(c, reqs, seed + 1)  # warm-up (compiles the batch shapes)
+                walls[kind] = await run_engine(c, reqs, seed)
             return walls, start_s
     finally:
         await server.stop()

@@ -90,3 +90,14 @@ def running_vllm_server(python: str, model_dir: Path, log: Path, **kw: object) -
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)  # whatever of the group outlived its leader
         proc.wait()
+
+
+def run_quickstart_cli(run_dir: Path, *sets: str, cwd: Path, timeout: float = 1200) -> subprocess.CompletedProcess:
+    """The README's quickstart command with the warm start cached in the checkout (built once, shared
+    by every test and run that asks for the same recipe), plus `--set` overrides."""
+    cmd = [*STREAMRL, "run", str(REPO / "configs" / "quickstart.yaml"), "--no-progress",
+           "--set", f"run_dir={run_dir}", "--set", f"model.path={REPO / '.cache' / 'streamrl' / 'tiny-model'}",
+           "--set", f"warm_start.cache_dir={REPO / '.cache' / 'streamrl'}"]
+    for item in sets:
+        cmd += ["--set", item]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
 import pytest
+from helpers import run_quickstart_cli
 from transformers import AutoModelForCausalLM
 
 from streamrl.config import config_from_dict
@@ -116,13 +115,7 @@ async def test_discard_mode_counts_discarded_tokens(tmp_path: Path, tiny_model_d
 def test_quickstart_reward_rises_via_cli(tmp_path: Path) -> None:
     """The README's run command, shortened: warm start (cached per recipe) then GRPO; reward must rise."""
     run_dir = tmp_path / "qs"
-    p = subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", "run", str(REPO / "configs" / "quickstart.yaml"), "--no-progress",
-         "--set", f"run_dir={run_dir}", "--set", "trainer.steps=300",
-         "--set", f"model.path={REPO / '.cache' / 'streamrl' / 'tiny-model'}",
-         "--set", f"warm_start.cache_dir={REPO / '.cache' / 'streamrl'}"],
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
-    )
+    p = run_quickstart_cli(run_dir, "trainer.steps=300", cwd=tmp_path, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = read_metrics(run_dir)
     first = sum(r["reward_mean"] for r in rows[:50]) / 50

@@ -15,6 +15,7 @@ from helpers import (
     STREAMRL,
     processes_mentioning,
     quickstart_until_first_step,
+    run_quickstart_cli,
     running_vllm_server,
     sigterm_and_expect_interrupted,
 )
@@ -92,14 +93,7 @@ def test_quickstart_learns_on_a_vllm_server_streamrl_launches(tmp_path: Path) ->
     """The README's quickstart, shortened, with `engines.pool: http` + `backend: vllm`: streamrl starts
     one real vLLM server, trains asynchronously (η = 1, partial resume, decoupled PPO) and stops it."""
     run_dir = tmp_path / "qs"
-    p = subprocess.run(
-        [*STREAMRL, "run", str(REPO / "configs" / "quickstart.yaml"), "--no-progress",
-         "--set", f"run_dir={run_dir}", "--set", "trainer.steps=200",
-         "--set", "engines.pool=http", "--set", "engines.backend=vllm",
-         "--set", f"model.path={REPO / '.cache' / 'streamrl' / 'tiny-model'}",
-         "--set", f"warm_start.cache_dir={REPO / '.cache' / 'streamrl'}"],
-        capture_output=True, text=True, timeout=1200, cwd=tmp_path,
-    )
+    p = run_quickstart_cli(run_dir, "trainer.steps=200", "engines.pool=http", "engines.backend=vllm", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = read_metrics(run_dir)
     first = sum(r["reward_mean"] for r in rows[:40]) / 40

@@ -83,6 +83,30 @@ class JsonHttpClient:
                 raise SGLangHTTPError(r.status, _message(body, r.reason or ""), body)
             return body
 
+    async def post_sse(self, path: str, payload: Any) -> AsyncIterator[Any]:
+        """POST JSON, then yield each decoded `data:` event of the server-sent stream until `[DONE]`.
+        Closing the iterator early drops the connection, which aborts the request server-side."""
+        r = await self._s().post(self.base_url + path, data=msgspec.json.encode(payload),
+                                 headers={"Content-Type": "application/json"})
+        try:
+            if r.status >= 400:
+                raw = await r.read()
+                body = msgspec.json.decode(raw) if raw.startswith(b"{") else raw.decode(errors="replace")
+                raise SGLangHTTPError(r.status, _message(body, r.reason or ""), body)
+            buf = b""
+            async for piece in r.content.iter_any():  # not line iteration: chunks can exceed its limit
+                buf += piece
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data:"):
+                        continue
+                    data = event[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    yield msgspec.json.decode(data)
+        finally:
+            r.close()
+
     async def health(self) -> bool:
         try:
             await self.request("GET", "/health")
@@ -119,30 +143,11 @@ class SGLangClient(JsonHttpClient):
                               rid: Any = None, *, return_logprob: bool = True,
                               **extra: Any) -> AsyncIterator[dict[str, Any]]:
         """POST /generate with stream=True; yields SGLang's cumulative chunks (the last is finished)."""
-        payload = msgspec.json.encode(self._payload(input_ids, sampling_params, rid, return_logprob, True, extra))
-        r = await self._s().post(self.base_url + "/generate", data=payload,
-                                 headers={"Content-Type": "application/json"})
-        try:
-            if r.status >= 400:
-                raw = await r.read()
-                body = msgspec.json.decode(raw) if raw.startswith(b"{") else raw.decode(errors="replace")
-                raise SGLangHTTPError(r.status, _message(body, r.reason or ""), body)
-            buf = b""
-            async for piece in r.content.iter_any():  # not line iteration: chunks can exceed its limit
-                buf += piece
-                *events, buf = buf.split(b"\n\n")
-                for event in events:
-                    if not event.startswith(b"data:"):
-                        continue
-                    data = event[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    obj = msgspec.json.decode(data)
-                    if isinstance(obj, dict) and "error" in obj:
-                        raise SGLangHTTPError(200, _message(obj, "stream error"), obj)
-                    yield obj
-        finally:
-            r.close()  # an unfinished stream drops the connection: the server aborts the request
+        payload = self._payload(input_ids, sampling_params, rid, return_logprob, True, extra)
+        async for obj in self.post_sse("/generate", payload):
+            if isinstance(obj, dict) and "error" in obj:
+                raise SGLangHTTPError(200, _message(obj, "stream error"), obj)
+            yield obj
 
     # ---- control ---------------------------------------------------------------------------------
     async def abort(self, rid: str) -> None:

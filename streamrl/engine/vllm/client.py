@@ -21,8 +21,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
-
 from ..http.client import JsonHttpClient, SGLangHTTPError, _message
 from ..protocol import EngineError, SamplingParams, build_result, extend_version_spans, finish_reason
 
@@ -89,29 +87,12 @@ class VLLMClient(JsonHttpClient):
                                 "sampling_params": vllm_sampling_params(sampling_params, return_logprob)}
         if rid is not None:
             body["request_id"] = rid
-        r = await self._s().post(self.base_url + "/inference/v1/generate", data=msgspec.json.encode(body),
-                                 headers={"Content-Type": "application/json"})
-        try:
-            if r.status >= 400:
-                raw = await r.read()
-                err = msgspec.json.decode(raw) if raw.startswith(b"{") else raw.decode(errors="replace")
-                raise SGLangHTTPError(r.status, _message(err, r.reason or ""), err)
-            buf = b""
-            async for piece in r.content.iter_any():
-                buf += piece
-                *events, buf = buf.split(b"\n\n")
-                for event in events:
-                    data = event.removeprefix(b"data:").strip()
-                    if not data or data == b"[DONE]":
-                        continue
-                    obj = msgspec.json.decode(data)
-                    if "error" in obj:  # vLLM reports a bad request in-band once streaming began
-                        e = obj["error"]
-                        raise SGLangHTTPError(int(e.get("code", 400)) if isinstance(e, dict) else 400,
-                                              _message(obj, "stream error"), obj)
-                    yield obj
-        finally:
-            r.close()
+        async for obj in self.post_sse("/inference/v1/generate", body):
+            if "error" in obj:  # vLLM reports a bad request in-band once streaming began
+                e = obj["error"]
+                raise SGLangHTTPError(int(e.get("code", 400)) if isinstance(e, dict) else 400,
+                                      _message(obj, "stream error"), obj)
+            yield obj
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
                        rid: str | None = None, *, return_logprob: bool = True) -> dict[str, Any]:
