@@ -138,8 +138,8 @@ def user_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 async def test_async_run_on_vllm_resumes_partials_and_discards_nothing(tmp_path: Path, user_server) -> None:  # noqa: ANN001
     url, model = user_server
     cfg = config_from_dict(small_cfg(
-        tmp_path, model, controller={"max_staleness": 2}, trainer={"steps": 6, "batch_groups": 2}, data={"eval_size": 4},
-        rollout={"group_size": 4, "max_new_tokens": 100}, engines={"pool": "http", "backend": "vllm", "urls": [url]},
+        tmp_path, model, controller={"max_staleness": 2}, trainer={"steps": 8, "batch_groups": 2}, data={"eval_size": 2},
+        rollout={"group_size": 4, "max_new_tokens": 200}, engines={"pool": "http", "backend": "vllm", "urls": [url]},
     ))
     await run(cfg, show_progress=False, log=lambda *_: None)
     rows = read_metrics(Path(cfg.run_dir))
