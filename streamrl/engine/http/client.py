@@ -41,12 +41,13 @@ class JsonHttpClient:
     message. The SGLang and vLLM clients add their APIs on top."""
 
     def __init__(self, base_url: str, api_key: str | None = None, *, timeout: float | None = None,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, keepalive_s: float = 15.0) -> None:
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session = session
         self._owns_session = session is None
+        self._keepalive_s = keepalive_s
 
     async def __aenter__(self) -> Self:
         return self
@@ -63,7 +64,8 @@ class JsonHttpClient:
         if self._session is None or self._session.closed:
             # No connection limit: a rollout keeps hundreds of requests in flight on one client.
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0), headers=self._headers
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s),
+                headers=self._headers
             )
         return self._session
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
+
 from ..http.client import JsonHttpClient, SGLangHTTPError, _message
 from ..protocol import EngineError, SamplingParams, build_result, extend_version_spans, finish_reason
 
@@ -69,7 +71,9 @@ class VLLMClient(JsonHttpClient):
     """`async with VLLMClient("http://127.0.0.1:8000") as c: r = await c.generate([1, 5], {...})`."""
 
     def __init__(self, base_url: str, api_key: str | None = None, *, timeout: float | None = None) -> None:
-        super().__init__(base_url, api_key, timeout=timeout)
+        # uvicorn closes an idle keep-alive connection after 5 s; reusing one it is closing fails
+        # with "Can not write request body" / "Server disconnected". Drop ours first.
+        super().__init__(base_url, api_key, timeout=timeout, keepalive_s=2.0)
         # vLLM has no busy-time counter: count wall time with at least one request outstanding.
         self._outstanding = 0
         self._busy_since = 0.0
@@ -106,7 +110,7 @@ class VLLMClient(JsonHttpClient):
         self._enter()
         self.in_flight[rid] = 0
         try:
-            async for chunk in self.generate_stream(input_ids, sampling_params, rid, return_logprob=return_logprob):
+            async for chunk in self._stream_once_retried(input_ids, sampling_params, rid, return_logprob):
                 choice = chunk["choices"][0]
                 ids += choice.get("token_ids") or []
                 self.in_flight[rid] = len(ids)
@@ -137,6 +141,21 @@ class VLLMClient(JsonHttpClient):
             weight_versions=[{"version": str(s["version"]), "start": s["start"], "end": s["end"]} for s in spans],
             e2e_latency=time.monotonic() - t0,
         )
+
+    async def _stream_once_retried(self, input_ids: list[int], sampling_params: dict[str, Any] | None, rid: str,
+                                   return_logprob: bool) -> AsyncIterator[dict[str, Any]]:
+        """`generate_stream`, sent again once when the connection fails before the first chunk (a
+        pooled connection the server was closing: the request never reached vLLM)."""
+        for attempt in (0, 1):
+            started = False
+            try:
+                async for chunk in self.generate_stream(input_ids, sampling_params, rid, return_logprob=return_logprob):
+                    started = True
+                    yield chunk
+                return
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if started or attempt:
+                    raise
 
     def _enter(self) -> None:
         if self._outstanding == 0:
