@@ -77,13 +77,12 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
 
         log_dir = Path(cfg.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        if e.backend == "vllm":  # validate() guarantees no router and disk weight sync
+            launched = None if e.urls else vllm_servers(cfg, model_dir)
+            return HttpPool(e.urls, launch=launched, backend="vllm")  # type: ignore[return-value]
         router = dict(router=e.router, router_log=log_dir / "router.log", weight_sync=e.weight_sync)
-        if e.backend == "vllm":
-            router = dict(backend="vllm")
         if e.urls:
             return HttpPool(e.urls, **router)  # type: ignore[return-value, arg-type]
-        if e.backend == "vllm":
-            return HttpPool(launch=vllm_servers(cfg, model_dir), backend="vllm")  # type: ignore[return-value]
         servers = launch_servers(
             e.num_replicas, model_dir, Path(cfg.run_dir), device=resolve_device(cfg.model.device),
             dtype=cfg.model.dtype, max_running_requests=e.max_running_requests, threads=e.threads,
