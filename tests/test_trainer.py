@@ -50,3 +50,55 @@ def test_micro_batches_give_the_same_update(tiny_model_dir: Path, kind: str) -> 
     start = Trainer(str(tiny_model_dir), TrainerSettings(loss=LossConfig(kind=kind)))
     moved = [not torch.equal(a, b) for a, b in zip(t1.model.parameters(), start.model.parameters(), strict=True)]
     assert any(moved)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "decoupled_ppo", "tis"])
+def test_skipping_zero_advantage_samples_gives_the_same_update(tiny_model_dir: Path, kind: str) -> None:
+    groups = fake_groups(2, n_groups=4)
+    for s in groups[0].samples + groups[2].samples:  # two groups with one reward each: advantage 0
+        s.reward = 1.0
+    for s in groups[1].samples:  # stale tokens, so the behaviour weight of decoupled/tis is not 1
+        s.versions = [0] * len(s.versions)
+
+    def trained(skip: bool) -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        t = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss=LossConfig(kind=kind), skip_zero_advantage=skip))
+        t.version = 2
+        stats = t.train_step(groups)
+        return [p.grad.detach().clone() for p in t.model.parameters()], stats
+
+    g_full, s_full = trained(False)
+    g_skip, s_skip = trained(True)
+    assert s_full["skipped_samples"] == 0 and s_skip["skipped_samples"] == 8
+    assert s_skip["computed_tokens"] < s_full["computed_tokens"] == s_full["trained_tokens"]
+    assert s_skip["loss"] == pytest.approx(s_full["loss"], abs=1e-6)
+    assert s_skip["staleness_mean"] == s_full["staleness_mean"] > 0
+    assert s_skip["staleness_max"] == s_full["staleness_max"] == 2
+    assert any(g.abs().max() > 1e-4 for g in g_full)
+    for a, b in zip(g_full, g_skip, strict=True):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-4)
+
+
+def test_a_batch_with_no_signal_still_steps_adam_like_the_full_computation(tiny_model_dir: Path) -> None:
+    """Every group has one reward: nothing is computed, yet AdamW's state advances exactly as it does
+    on the all-zero gradient of the full batch (its step count drives the bias correction after)."""
+    flat, informative = fake_groups(4), fake_groups(3)
+    for g in flat:
+        for s in g.samples:
+            s.reward = 0.0
+
+    def run(skip: bool) -> tuple[Trainer, dict]:
+        torch.manual_seed(0)
+        t = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss=LossConfig(kind="grpo"), skip_zero_advantage=skip))
+        stats = t.train_step(flat)
+        t.train_step(informative)
+        return t, stats
+
+    (t_full, s_full), (t_skip, s_skip) = run(False), run(True)
+    assert s_skip["computed_tokens"] == 0 and s_skip["logprob_mismatch"] is None
+    assert s_full["computed_tokens"] > 0
+    for p_full, p_skip in zip(t_full.model.parameters(), t_skip.model.parameters(), strict=True):
+        a, b = t_full.optimizer.state[p_full], t_skip.optimizer.state[p_skip]
+        assert float(a["step"]) == float(b["step"]) == 2
+        # Adam's moments are linear in the gradients, so they compare without sqrt(v) amplifying noise.
+        assert torch.allclose(a["exp_avg"], b["exp_avg"], atol=1e-8, rtol=1e-4)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..types import Group
+from ..types import Group, Sample
 from .logprobs import pack_samples, token_logprobs
 from .losses import LossConfig, group_advantages, policy_loss
 
@@ -35,6 +35,11 @@ class TrainerSettings:
     device: str = "cpu"
     ref_model_path: str | None = None  # KL reference (only loaded when loss.kl_coef > 0)
     micro_batch_tokens: int = 4096  # padded tokens per forward/backward (gradients accumulate)
+    # Samples whose advantage is exactly 0 (every sample of their group got the same reward) add 0 to
+    # the policy loss and to its gradient; only their tokens in the denominator matter. Skipping their
+    # forward/backward leaves the update bit-for-bit the same math and saves their compute. Ignored with
+    # a KL term, which does depend on them.
+    skip_zero_advantage: bool = True
 
 
 class Trainer:
@@ -68,18 +73,24 @@ class Trainer:
             if out[-1] and lengths[i] * (len(out[-1]) + 1) > self.settings.micro_batch_tokens:
                 out.append([])
             out[-1].append(i)
-        return out
+        return out if out[0] else []
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         cfg = self.settings.loss
         samples = [s for g in groups for s in g.samples]
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, n]
         adv = group_advantages(rewards).reshape(-1)  # [G*n]
-        n_loss = sum(sum(s.loss_mask) for s in samples)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(6, dtype=torch.float64)  # |diff| cur, n cur, |diff| all, staleness, max staleness
+        n_loss = sum(sum(s.loss_mask) for s in samples)  # the denominator counts skipped samples too
+        skip = self.settings.skip_zero_advantage and self.ref_model is None
+        trained = [i for i in range(len(samples)) if not (skip and adv[i] == 0)]
+        # set_to_none=False: a parameter keeps a (zero) gradient even when every sample is skipped, so
+        # AdamW steps exactly as it would on the all-zero gradient of the full batch.
+        self.optimizer.zero_grad(set_to_none=False)
+        sums = torch.zeros(3, dtype=torch.float64)  # |diff| on current-version tokens, their count, |diff| all
         agg: dict[str, float] = {}
-        for idx in self.micro_batches([len(s.prompt_ids) + s.num_tokens for s in samples]):
+        n_trained = sum(sum(samples[i].loss_mask) for i in trained)
+        for mb in self.micro_batches([len(samples[i].prompt_ids) + samples[i].num_tokens for i in trained]):
+            idx = [trained[j] for j in mb]
             batch = pack_samples([samples[i] for i in idx], self.pad_id, self.device)
             mask = batch.response_mask  # [b, T]
             logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.settings.temperature)
@@ -94,31 +105,36 @@ class Trainer:
                 prox_logp=None if cfg.kind == "grpo" else prox, ref_logp=ref,
             )
             # Token-level loss over the whole batch: weight each micro-batch by its share of tokens.
-            w = int(mask.sum()) / max(n_loss, 1)
-            (loss * w).backward()
+            n_mb = int(mask.sum())
+            (loss * (n_mb / max(n_loss, 1))).backward()
             for k, v in stats.items():
-                agg[k] = agg.get(k, 0.0) + v * w
+                # The losses are over every token (skipped ones add 0); the other stats describe the
+                # tokens that were computed.
+                share = n_mb / max(n_loss if k in ("loss", "pg_loss") else n_trained, 1)
+                agg[k] = agg.get(k, 0.0) + v * share
             cur = mask & (batch.versions == self.version)
             diff = (prox - batch.behav_logp).abs()
-            stale = (self.version - batch.versions).clamp(min=0)
-            sums += torch.stack([
-                (diff * cur).sum(), cur.sum(), (diff * mask).sum(), (stale * mask).sum(),
-                torch.zeros(()), torch.zeros(()),
-            ]).double().cpu()
-            if mask.any():
-                sums[4] = max(sums[4], float(torch.where(mask, stale, torch.zeros_like(stale)).max()))
+            sums += torch.stack([(diff * cur).sum(), cur.sum(), (diff * mask).sum()]).double().cpu()
+        for p in self.model.parameters():
+            if p.grad is None:  # never computed yet (first step, everything skipped)
+                p.grad = torch.zeros_like(p)
         # max_norm=inf measures the norm without clipping (grad_clip 0 = off).
         clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
+        st_sum, st_max = _staleness(samples, self.version)
         self.version += 1
-        d, n_cur, d_all, st, st_max = (float(x) for x in sums[:5])
+        d, n_cur, d_all = (float(x) for x in sums)
+        agg.setdefault("loss", 0.0)
+        agg.setdefault("pg_loss", 0.0)
         agg.update(
             # Only tokens of the current version can be compared like for like; None if there are none.
-            logprob_mismatch=d / n_cur if n_cur > 0 else None, logprob_diff_all=d_all / max(n_loss, 1),
-            staleness_mean=st / max(n_loss, 1), staleness_max=st_max,
+            logprob_mismatch=d / n_cur if n_cur > 0 else None,
+            logprob_diff_all=d_all / n_trained if n_trained > 0 else None,
+            staleness_mean=st_sum / max(n_loss, 1), staleness_max=st_max,
             grad_norm=grad_norm if math.isfinite(grad_norm) else float("nan"),
             reward_mean=float(rewards.mean()), trained_samples=len(samples), trained_tokens=n_loss,
+            skipped_samples=len(samples) - len(trained), computed_tokens=n_trained,
         )
         return agg
 
@@ -135,3 +151,14 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"version": self.version, "optimizer": self.optimizer.state_dict()}
+
+
+def _staleness(samples: list[Sample], version: int) -> tuple[float, float]:
+    """Sum and max of (version - token version) over the trainable tokens of every sample, skipped or not."""
+    total, worst = 0, 0
+    for s in samples:
+        for v, m in zip(s.versions, s.loss_mask, strict=True):
+            if m:
+                total += max(0, version - v)
+                worst = max(worst, version - v)
+    return float(total), float(worst)
