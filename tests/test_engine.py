@@ -302,3 +302,50 @@ async def test_fallback_runner_for_other_architectures(tmp_path: Path) -> None:
         rs = await asyncio.gather(*[eng.generate(p, {"max_new_tokens": 8, **GREEDY}) for p in PROMPTS[:3]])
     for p, r in zip(PROMPTS, rs, strict=False):
         assert r["output_ids"] == hf_greedy(model, p, 8)
+
+
+def test_prefill_in_length_buckets_equals_one_padded_batch(tiny_model_dir: Path) -> None:
+    """Mixed lengths (resumed partials beside new prompts) are prefilled in buckets; logits and the KV
+    cache a later decode reads must be those of one padded batch."""
+    from streamrl.engine.model_runner import ModelRunner
+
+    model = hf(tiny_model_dir)
+    seqs = [[1] + [4 + (i * j) % 17 for j in range(n)] for i, n in enumerate([3, 40, 5, 60, 4, 41, 2])]
+    bucketed, padded = ModelRunner(model, 8, 64), ModelRunner(model, 8, 64)
+    rows = [6, 0, 5, 1, 4, 2, 3]
+    with torch.inference_mode():
+        a = bucketed.prefill(rows, seqs)
+        b = padded._prefill_padded(rows, seqs)
+        assert torch.allclose(a, b, atol=1e-5)
+        by_row = sorted(range(len(seqs)), key=lambda i: rows[i])
+        toks, lens = [int(a[i].argmax()) for i in by_row], [len(seqs[i]) for i in by_row]
+        assert torch.allclose(bucketed.decode(toks, lens), padded.decode(toks, lens), atol=1e-5)
+
+
+def test_split_span_reads_less_than_padding_and_covers_every_row() -> None:
+    from streamrl.engine.model_runner import split_span
+
+    keys = [20] * 56 + [300] * 6 + [290, 301]
+    span, alone = split_span(keys)
+    assert span == 20 and sorted(keys[r] for r in alone) == [290] + [300] * 6 + [301]
+    assert split_span([50] * 8) == (50, [])  # uniform: one dense call
+    assert split_span([200, 210]) == (210, [])  # a lone call would cost more than the padding it saves
+
+
+async def test_decode_split_into_dense_and_single_rows_matches_full_forward(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import streamrl.engine.model_runner as mr
+
+    monkeypatch.setattr(mr, "_CALL_COST_POSITIONS", 0)  # split at nearly every step
+    model = hf(tiny_model_dir)
+    prompts = [[1] + [4 + (i * j) % 17 for j in range(n)] for i, n in enumerate([2, 30, 3, 45, 5, 12])]
+    async with engine(tiny_model_dir) as eng:
+        results = await asyncio.gather(*[
+            eng.generate(p, {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True})
+            for i, p in enumerate(prompts)
+        ])
+    for p, r in zip(prompts, results, strict=True):
+        got = [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]
+        ref = hf_logprobs(model, p, r["output_ids"])
+        assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-4

@@ -88,7 +88,7 @@ class ModelRunner:
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
 
-    def _attend(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write, read):
+    def _attend(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         attn = layer.self_attn
         b, t, _ = h.shape
         q = attn.q_proj(h).view(b, t, -1, self.head_dim)
@@ -98,22 +98,21 @@ class ModelRunner:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         q, k = self._rope(q, k, cos, sin)
-        write(k, v)
-        keys, values, mask = read(k, v)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )  # [B, heads, T, hd]
+        out = attend(q, k, v)  # [B, heads, T, hd]
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write_layer, read_layer) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attend_layer) -> torch.Tensor:
         inner = self.model.model
         h = inner.embed_tokens(ids)  # [B, T, H]
         cos, sin = inner.rotary_emb(h, pos)
         for i, layer in enumerate(self.layers):
             a = self._attend(
-                layer, layer.input_layernorm(h), cos, sin,
-                lambda k, v, i=i: write_layer(i, k, v), lambda k, v, i=i: read_layer(i, k, v),
+                layer, layer.input_layernorm(h), cos, sin, lambda q, k, v, i=i: attend_layer(i, q, k, v),
             )
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -123,7 +122,35 @@ class ModelRunner:
         return self.model.lm_head(self.model.model.norm(h)).float()
 
     def prefill(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
-        """Compute and store KV for whole sequences; return next-token logits [n, V]."""
+        """Compute and store KV for whole sequences; return next-token logits [n, V].
+
+        A padded batch costs its longest sequence times its size. Sequences of mixed lengths (new
+        prompts beside partial samples resumed after a weight update) are therefore prefilled in
+        buckets of similar length: in a mix of 10..280 tokens that halves the work.
+        """
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        buckets: list[list[int]] = [[]]
+        real = 0
+        for i in order:
+            n = len(seqs[i])
+            # Sorted ascending, so n is the bucket's width if i joins: allow 25% padding per bucket.
+            if buckets[-1] and n * (len(buckets[-1]) + 1) > 1.25 * (real + n):
+                buckets.append([])
+                real = 0
+            buckets[-1].append(i)
+            real += n
+        if len(buckets) == 1:
+            return self._prefill_padded(rows, seqs)
+        out: torch.Tensor | None = None
+        for b in buckets:
+            logits = self._prefill_padded([rows[i] for i in b], [seqs[i] for i in b])
+            if out is None:
+                out = logits.new_empty((len(seqs), logits.shape[-1]))
+            out[b] = logits
+        assert out is not None
+        return out
+
+    def _prefill_padded(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
         n, lmax = len(seqs), max(len(s) for s in seqs)
         dev = self.device
         ids = torch.zeros((n, lmax), dtype=torch.long, device=dev)
@@ -137,11 +164,12 @@ class ModelRunner:
         mask = (causal[None] & key_ok[:, None, :])[:, None]  # [n, 1, Lp, Lp]
         row_idx = torch.tensor(rows, device=dev)
 
-        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.k_cache[i][row_idx, :, :lmax] = k
             self.v_cache[i][row_idx, :, :lmax] = v
+            return self._sdpa(q, k, v, mask)
 
-        h = self._forward(ids, pos, write, lambda i, k, v: (k, v, mask))
+        h = self._forward(ids, pos, attend)
         last = h[torch.arange(n, device=dev), lens - 1]  # [n, H]
         return self._logits(last)
 
@@ -150,19 +178,49 @@ class ModelRunner:
         b, dev = len(tokens), self.device
         ids = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]  # [B, 1]
         pos = torch.tensor(ctx_lens, dtype=torch.long, device=dev)  # [B]
-        span = max(ctx_lens) + 1
+        span, long_rows = split_span([c + 1 for c in ctx_lens])
         ar = torch.arange(b, device=dev)
-        mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,L]
+        mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,span]
 
-        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            self.k_cache[i][ar, :, pos] = k[:, :, 0]
-            self.v_cache[i][ar, :, pos] = v[:, :, 0]
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[ar, :, pos] = k[:, :, 0]
+            vc[ar, :, pos] = v[:, :, 0]
+            # Every row over the first `span` keys (rows longer than that get a wrong answer here),
+            # then each longer row alone over exactly its keys, replacing it: no row reads padding.
+            out = self._sdpa(q, kc[:b, :, :span], vc[:b, :, :span], mask)  # [B, heads, 1, hd]
+            for r in long_rows:
+                n = ctx_lens[r] + 1
+                out[r : r + 1] = self._sdpa(q[r : r + 1], kc[r : r + 1, :, :n], vc[r : r + 1, :, :n], None)
+            return out
 
-        def read(i: int, k: torch.Tensor, v: torch.Tensor):
-            return self.k_cache[i][:b, :, :span], self.v_cache[i][:b, :, :span], mask
-
-        h = self._forward(ids, pos[:, None], write, read)  # [B, 1, H]
+        h = self._forward(ids, pos[:, None], attend)  # [B, 1, H]
         return self._logits(h[:, 0])
+
+
+# One extra attention call costs about as much as reading this many cached positions of one row
+# (measured on CPU: ~11 us per call vs ~0.037 us per row-position). The rule only picks a split; any
+# value gives exact results.
+_CALL_COST_POSITIONS = 300
+
+
+def split_span(keys: list[int]) -> tuple[int, list[int]]:
+    """Decode attention over a batch whose rows attend to `keys[r]` cached positions.
+
+    One dense call over ``B x max(keys)`` reads every short row's padding; with long-tail batches
+    (a few long resumed samples among many short ones) that padding is most of the work. Returns
+    ``(span, long_rows)``: a dense call covers ``span`` positions of every row and each row in
+    ``long_rows`` is attended alone, choosing the span that minimises positions read plus calls.
+    """
+    order = sorted(range(len(keys)), key=keys.__getitem__, reverse=True)
+    best_cost, best_k = len(keys) * keys[order[0]], 0
+    alone = 0  # cost of the k longest rows attended alone
+    for k in range(1, len(order)):
+        alone += keys[order[k - 1]] + _CALL_COST_POSITIONS
+        cost = len(keys) * keys[order[k]] + alone
+        if cost < best_cost:
+            best_cost, best_k = cost, k
+    return keys[order[best_k]], order[:best_k]
 
 
 class FallbackRunner:
