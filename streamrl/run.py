@@ -86,7 +86,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     tr = cfg.trainer
     trainer = Trainer(model_dir, TrainerSettings(
         lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, device=resolve_device(tr.device),
-        micro_batch_tokens=tr.micro_batch_tokens,
+        micro_batch_tokens=tr.micro_batch_tokens, skip_zero_advantage=tr.skip_zero_advantage,
         # Engines report greedy logprobs at T=1, sampled ones at the rollout temperature.
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         loss=LossConfig(kind=tr.loss, clip_eps=tr.clip_eps, clip_eps_high=tr.clip_eps_high,
@@ -131,10 +131,13 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
         }
         log(f"held-out accuracy before RL: greedy {summary['eval_before']['greedy']:.3f}, "
             f"sampled {summary['eval_before']['sampled']:.3f}")
+        await pool.refresh_stats()  # the held-out evaluation's engine time is not the first step's
+        ps = pool.stats()
         producer = asyncio.create_task(manager.run(), name="rollout-manager")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        last = {"t": t0, "busy": 0.0, "tokens": 0, "discarded": 0, "resumed": 0, "dropped": 0}
+        last = {"t": t0, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tokens": 0, "discarded": 0,
+                "resumed": 0, "dropped": 0}
         samples_total = 0
         with RunProgress(tr.steps, enabled=show_progress) as bar:
             for step in range(1, tr.steps + 1):
@@ -165,8 +168,11 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
                     "tokens_discarded": (c.tokens_discarded + ctl.stats.dropped_tokens) - last["discarded"],
                     "dropped_stale": ctl.stats.dropped_stale - last["dropped"],
                     "engine_idle_frac": max(0.0, 1 - (ps["busy_s"] - last["busy"]) / (dt * pool.num_replicas)),
+                    # Engine seconds spent in prefill: prompts, plus partials recomputed after an update.
+                    "engine_prefill_s": ps.get("prefill_s", 0.0) - last["prefill"],
                     "trainer_wait_s": wait_s, "train_s": train_s, "weight_sync_s": sync_s,
                     "clip_frac": stats.get("clip_frac", 0.0), "grad_norm": stats["grad_norm"],
+                    "skipped_samples": stats["skipped_samples"],
                     "buffer_size": len(buffer),
                 }
                 if tr.eval_every and step % tr.eval_every == 0:
@@ -174,7 +180,8 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
                                                          ro.max_new_tokens, seed=step)
                 if ctl.stats.decisions:
                     row["controller"] = ctl.drain_decisions()[-5:]
-                last = {"t": now, "busy": ps["busy_s"], "tokens": c.tokens_generated,
+                last = {"t": now, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
+                        "tokens": c.tokens_generated,
                         "discarded": c.tokens_discarded + ctl.stats.dropped_tokens,
                         "resumed": c.partial_resumed, "dropped": ctl.stats.dropped_stale}
                 metrics_file.write(json.dumps(row) + "\n")

@@ -103,7 +103,10 @@ class TorchEngine:
         self._requests: dict[str, Request] = {}
         self._released = False
         self._closed = False
-        self._stats = {"generated_tokens": 0, "num_steps": 0, "num_requests": 0, "busy_s": 0.0}
+        # prefill_*: first computation of a prompt, and recomputation of a resumed or flushed request's
+        # tokens after a weight update: the price of exact partial resume.
+        self._stats = {"generated_tokens": 0, "num_steps": 0, "num_requests": 0, "busy_s": 0.0,
+                       "prefill_tokens": 0, "prefill_s": 0.0}
         self._tps_window: list[tuple[float, int]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -232,7 +235,11 @@ class TorchEngine:
                     for r in plan.requests:
                         self._finish(r, finish_reason("abort", message=f"engine error: {e}"), error=e)
                     continue
-                self._stats["busy_s"] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self._stats["busy_s"] += dt
+                if plan.kind == "prefill":
+                    self._stats["prefill_s"] += dt
+                    self._stats["prefill_tokens"] += sum(len(r.seq) for r in plan.requests)
                 self._stats["num_steps"] += 1
                 self._postprocess(plan, tokens, logps)
             if self._inline:

@@ -161,7 +161,7 @@ class HttpPool(PauseGate):
         self._inflight: list[int] = []
         super().__init__()
         self._weights_dir = Path(tempfile.mkdtemp(prefix="streamrl-weights-", dir=_fast_tmp()))
-        self._busy_s = 0.0
+        self._busy = {"busy_s": 0.0, "prefill_s": 0.0}
 
     async def start(self) -> None:
         if self.servers:
@@ -262,13 +262,14 @@ class HttpPool(PauseGate):
                         shutil.rmtree(old, ignore_errors=True)
 
     def stats(self) -> dict[str, Any]:
-        return {"running": sum(self._inflight), "busy_s": self._busy_s, "replicas": self.urls}
+        return {"running": sum(self._inflight), **self._busy, "replicas": self.urls}
 
     async def refresh_stats(self) -> None:
         """Engine busy time summed over servers, for the idle-fraction metric (a server that cannot
         tell counts as 0)."""
         busy = await asyncio.gather(*[c.busy_seconds() for c in self.clients], return_exceptions=True)
-        self._busy_s = sum(b for b in busy if isinstance(b, float))
+        ok = [b for b in busy if isinstance(b, dict)]
+        self._busy = {k: sum(b[k] for b in ok) for k in ("busy_s", "prefill_s")}
 
 
 def _fast_tmp() -> str | None:

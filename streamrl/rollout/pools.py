@@ -116,5 +116,6 @@ class LocalPool(PauseGate):
             "waiting": sum(s["waiting"] for s in per),
             "generated_tokens": sum(s["generated_tokens"] for s in per),
             "busy_s": sum(s["busy_s"] for s in per),
+            "prefill_s": sum(s["prefill_s"] for s in per),
             "replicas": per,
         }

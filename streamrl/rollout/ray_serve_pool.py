@@ -418,6 +418,7 @@ class RayServePool(PauseGate):
             "running": self._inflight,
             "generated_tokens": sum(s.get("generated_tokens", 0) for s in per),
             "busy_s": sum(s.get("busy_s", 0.0) for s in per),
+            "prefill_s": sum(s.get("prefill_s", 0.0) for s in per),
             "lost_requests": self.lost_requests,
             "replicas": per,
         }

@@ -205,10 +205,11 @@ class SGLangClient(JsonHttpClient):
     async def server_info(self) -> dict[str, Any]:
         return await self._get_either("/server_info")
 
-    async def busy_seconds(self) -> float:
-        """Seconds the server's engines have spent generating (streamrl serve's /server_info)."""
-        info = await self.server_info()
-        return sum(float(st.get("busy_s", 0.0)) for st in info.get("internal_states", []))
+    async def busy_seconds(self) -> dict[str, float]:
+        """Seconds the server's engines have spent computing, and of those in prefill (streamrl serve's
+        /server_info; a real SGLang server reports neither, so both read 0)."""
+        states = (await self.server_info()).get("internal_states", [])
+        return {k: sum(float(st.get(k, 0.0)) for st in states) for k in ("busy_s", "prefill_s")}
 
     async def loads(self) -> dict[str, Any]:
         return await self.request("GET", "/v1/loads")

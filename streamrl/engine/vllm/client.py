@@ -167,10 +167,11 @@ class VLLMClient(JsonHttpClient):
         if self._outstanding == 0:
             self._busy_s += time.monotonic() - self._busy_since
 
-    async def busy_seconds(self) -> float:
-        """Wall seconds with at least one request outstanding (vLLM exposes no busy counter)."""
-        now = self._busy_s
-        return now + (time.monotonic() - self._busy_since if self._outstanding else 0.0)
+    async def busy_seconds(self) -> dict[str, float]:
+        """Wall seconds with at least one request outstanding (vLLM exposes no busy counter, nor a
+        prefill one: prefill_s reads 0)."""
+        now = self._busy_s + (time.monotonic() - self._busy_since if self._outstanding else 0.0)
+        return {"busy_s": now, "prefill_s": 0.0}
 
     # ---- control ---------------------------------------------------------------------------------
     async def abort(self, rid: str) -> None:
