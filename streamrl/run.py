@@ -29,6 +29,7 @@ from .progress import RunProgress
 from .rollout.manager import RolloutManager, RolloutSettings
 from .rollout.pools import EnginePool
 from .trainer.losses import LossConfig
+from .trainer.process import TrainerProcess
 from .trainer.trainer import Trainer, TrainerSettings
 from .types import encode_jsonl
 
@@ -58,6 +59,7 @@ async def next_batch(buffer: RolloutBuffer, ctl: StalenessController, size: int)
     while len(batch) < size:
         got = await buffer.get_batch(size - len(batch), accept=ctl.accept)
         kept, offp = ctl.compose(got, offpolicy_taken=offp)
+        ctl.consumed(kept)
         batch += kept
         await ctl.poke()
     return batch
@@ -84,14 +86,30 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
 
     model_dir, warm = prepare_model(cfg, log)
     tr = cfg.trainer
-    trainer = Trainer(model_dir, TrainerSettings(
+    settings = TrainerSettings(
         lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, device=resolve_device(tr.device),
         micro_batch_tokens=tr.micro_batch_tokens, skip_zero_advantage=tr.skip_zero_advantage,
         # Engines report greedy logprobs at T=1, sampled ones at the rollout temperature.
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         loss=LossConfig(kind=tr.loss, clip_eps=tr.clip_eps, clip_eps_high=tr.clip_eps_high,
                         behav_imp_weight_cap=tr.behav_imp_weight_cap, tis_cap=tr.tis_cap, kl_coef=tr.kl_coef),
-    ))
+    )
+    # Its own process on CPU: beside the rollout manager's event loop a trainer thread loses time to
+    # the GIL (docs/async.md). A GPU trainer stays in-process.
+    trainer: Trainer | TrainerProcess = (
+        TrainerProcess(model_dir, settings, threads=tr.threads) if tr.own_process and settings.device == "cpu"
+        else Trainer(model_dir, settings)
+    )
+    try:
+        return await _train(cfg, task, trainer, model_dir, warm, run_dir, t_start, log, show_progress)
+    finally:
+        if isinstance(trainer, TrainerProcess):
+            trainer.close()
+
+
+async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess, model_dir: str, warm: Any,
+                 run_dir: Path, t_start: float, log: Any, show_progress: bool) -> dict[str, Any]:
+    tr = cfg.trainer
     train_exec = ThreadPoolExecutor(1, "trainer", initializer=lambda: torch.set_num_threads(tr.threads))
     pool = build_pool(cfg, model_dir)
     ctl = StalenessController(

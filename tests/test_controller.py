@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from streamrl.buffer import RolloutBuffer
 from streamrl.buffer.controller import StalenessController
 from streamrl.types import Group, Sample
 
@@ -88,14 +89,61 @@ def test_bad_policy_rejected() -> None:
 async def test_trainer_waits_for_groups_that_would_become_too_stale() -> None:
     c = StalenessController(batch_groups=2, max_staleness=1)
     for _ in range(4):
-        await c.acquire()  # admitted at version 0
-    assert c.must_wait_for() == 0  # at version 0 nothing is at risk yet
+        await c.acquire()  # admitted at version 0: due at version 1, so two must be in this batch
+    assert c.must_wait_for() == 2
+    await c.release(0)
+    await c.release(0)
+    assert c.must_wait_for() == 0
+    c.consumed([Group(group_id=f"g{i}", samples=[], admitted_version=0) for i in range(2)])
     await c.set_version(1)
-    assert c.must_wait_for() == 4  # training past version 1 would leave version-0 groups 2 behind
+    assert c.must_wait_for() == 2  # the other two are due now
     waiter = asyncio.ensure_future(c.wait_for_oldest())
-    for _ in range(3):
-        await c.release(0)
+    await c.release(0)
     await asyncio.sleep(0.01)
     assert not waiter.done()
     await c.release(0)
     await asyncio.wait_for(waiter, 1)
+
+
+async def test_newer_short_groups_do_not_crowd_out_old_long_ones() -> None:
+    """B=2, eta=2: six groups start at version 0, four of them long. Were the trainer to fill its
+    batches with whatever finished first (two short v0 groups, then two short v1 groups), four v0
+    groups would be due at version 2 and two of them dropped. The controller makes it wait for old
+    groups early enough, and the buffer pops them first."""
+    c = StalenessController(batch_groups=2, max_staleness=2)
+    buf = RolloutBuffer()
+    groups = {}
+    for i in range(6):
+        a = await c.acquire()
+        groups[i] = Group(group_id=f"g{i}", samples=[], admitted_version=a)
+
+    async def finish(i: int) -> None:
+        await buf.put(groups[i])
+        await c.release(groups[i].admitted_version)
+
+    async def take() -> list[str]:
+        await asyncio.wait_for(c.wait_for_oldest(), 1)
+        got = await buf.get_batch(2, accept=c.accept)
+        c.consumed(got)
+        return [g.group_id for g in got]
+
+    await finish(4)
+    await finish(5)
+    assert await take() == ["g4", "g5"]  # version 0: nothing old is due yet
+    await c.set_version(1)
+    for i in (6, 7):
+        a = await c.acquire()
+        groups[i] = Group(group_id=f"g{i}", samples=[], admitted_version=a)
+        await finish(i)
+    assert c.must_wait_for() == 2  # four v0 groups are due by version 2: two must go now
+    waiter = asyncio.ensure_future(take())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # g6, g7 are finished, but taking them would strand v0 groups
+    await finish(0)
+    await finish(1)
+    assert await asyncio.wait_for(waiter, 1) == ["g0", "g1"]
+    await c.set_version(2)
+    await finish(2)
+    await finish(3)
+    assert await take() == ["g2", "g3"]
+    assert c.stats.dropped_stale == 0

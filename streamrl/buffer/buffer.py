@@ -33,7 +33,7 @@ class BufferFull(Exception):
 
 
 class _Entry(msgspec.Struct, array_like=True, order=True):
-    key: int  # oldest_version under "oldest_version", 0 under "fifo"
+    key: int  # the group's first version (`_first_version`) under "oldest_version", 0 under "fifo"
     seq: int  # insertion order: the tie-break, so equal keys pop FIFO
     group: Group
 
@@ -90,7 +90,7 @@ class RolloutBuffer:
             raise BufferClosed("put on a closed RolloutBuffer")
         if self.is_full():
             raise BufferFull(f"RolloutBuffer holds {len(self._heap)} groups (capacity {self.capacity})")
-        key = group.oldest_version() if self.priority == "oldest_version" else 0
+        key = _first_version(group) if self.priority == "oldest_version" else 0
         heapq.heappush(self._heap, _Entry(key, self._next_seq, group))
         self._next_seq += 1
         self.total_put += 1
@@ -221,7 +221,7 @@ class RolloutBuffer:
         state = _decoder.decode(data)
         oldest = self.priority == "oldest_version"
         self._heap = [
-            _Entry(e.group.oldest_version() if oldest else 0, e.seq, e.group) for e in state.entries
+            _Entry(_first_version(e.group) if oldest else 0, e.seq, e.group) for e in state.entries
         ]
         heapq.heapify(self._heap)
         self._next_seq = max(state.next_seq, max((e.seq + 1 for e in self._heap), default=0))
@@ -270,3 +270,10 @@ class RolloutBuffer:
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+
+
+def _first_version(group: Group) -> int:
+    """Admission version (no token of the group is older), or its oldest token if that is older
+    (a group built elsewhere). Popping by admission is earliest-deadline-first for the controller,
+    whose staleness bound counts from admission."""
+    return min(group.admitted_version, group.oldest_version())

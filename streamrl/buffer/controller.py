@@ -60,6 +60,7 @@ class StalenessController:
         self.returned = 0  # groups dropped after admission: their slot is given back
         self.stats = ControllerStats()
         self._inflight: Counter[int] = Counter()  # admitted version -> groups still generating
+        self._pending: Counter[int] = Counter()  # admitted version -> groups admitted, not yet trained
         self._changed = asyncio.Condition()
 
     # ---- admission -------------------------------------------------------------------------------
@@ -79,6 +80,7 @@ class StalenessController:
             self.running += 1
             self.stats.admitted += 1
             self._inflight[self.version] += 1
+            self._pending[self.version] += 1
             return self.version
 
     async def release(self, admitted_version: int, *, returned: bool = False) -> None:
@@ -90,18 +92,45 @@ class StalenessController:
                 del self._inflight[admitted_version]
             if returned:
                 self.returned += 1
+                self._forget(admitted_version)
             self._changed.notify_all()
 
     def must_wait_for(self) -> int:
-        """Groups still generating that the *next* batch must include to stay within max_staleness.
+        """How many more groups must finish before the next batch may be taken (0: take it now).
 
-        After this step the trainer is at version+1; a group admitted at version a is then
-        (version + 1 - a) versions old. Groups with a <= version - max_staleness cannot wait for a later
-        batch, so the trainer waits for them instead of training past them. By the admission rule
-        there are at most one batch of them, so they always fit.
+        A group admitted at version a must be trained at trainer version a + max_staleness at the
+        latest. The batch taken now (version v) is followed by one batch per version, so for every
+        j >= 0 the groups admitted at <= v - max_staleness + j and not yet trained, U(j), must fit in
+        this batch and the j after it: this batch must hold at least ``U(j) - j * B`` of them. The
+        buffer pops by admission version, so it holds that many once that many have finished.
+        Waiting only for the groups due now is not enough: while long old groups are still
+        generating, the trainer would fill its batches with newer short ones and find more old groups
+        due at once than one batch can hold (seen with a long-tail task once the trainer got fast).
         """
-        limit = self.version - self.max_staleness
-        return sum(n for a, n in self._inflight.items() if a <= limit)
+        if not self._pending:
+            return 0
+        b, first = self.batch_groups, self.version - self.max_staleness
+        worst = due = generating = 0
+        for a in range(min(self._pending), max(self._pending) + 1):
+            due += self._pending.get(a, 0)
+            generating += self._inflight.get(a, 0)
+            j = a - first
+            if j < 0:
+                continue  # groups already past due: they are in this batch's count at j = 0
+            need = min(b, due - j * b)
+            worst = max(worst, need - (due - generating))
+        return max(0, worst)
+
+    def consumed(self, groups: list[Group]) -> None:
+        """The trainer took these groups: they no longer count against future batches."""
+        for g in groups:
+            self._forget(g.admitted_version)
+
+    def _forget(self, admitted_version: int) -> None:
+        if self._pending.get(admitted_version, 0) > 1:
+            self._pending[admitted_version] -= 1
+        else:
+            self._pending.pop(admitted_version, None)  # also groups restored from a checkpoint
 
     async def wait_for_oldest(self) -> None:
         async with self._changed:
@@ -128,6 +157,7 @@ class StalenessController:
         self.stats.dropped_stale += 1
         self.stats.dropped_tokens += group.num_tokens
         self.stats.note(f"drop {group.group_id}: staleness {s} > {self.max_staleness}")
+        self._forget(group.admitted_version)
         self.returned += 1  # its admission slot is reusable: the batch it was meant for needs a substitute
         return False
 
@@ -147,6 +177,7 @@ class StalenessController:
                     self.stats.dropped_tokens += g.num_tokens
                     self.stats.deferred_offpolicy += 1
                     self.returned += 1
+                    self._forget(g.admitted_version)
                     self.stats.note(f"drop {g.group_id}: off-policy fraction cap {self.max_offpolicy_fraction}")
                     continue
                 offp += 1
