@@ -160,6 +160,9 @@ class TrainerConfig(_Section):
     save_every: Annotated[int, _d("checkpoint every N steps; 0 = only at the end", ge=0)] = 0
     threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
     micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
+    own_process: Annotated[bool, _d(
+        "CPU trainer in its own process, away from the rollout manager's event loop (GIL)"
+    )] = True
     skip_zero_advantage: Annotated[bool, _d(
         "skip forward/backward of samples with advantage 0 (the same update, less compute; off with kl_coef)"
     )] = True
