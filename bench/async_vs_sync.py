@@ -38,15 +38,23 @@ MODES: dict[str, dict] = {
     "eta1": {"controller": {"max_staleness": 1}},
     "eta2": {"controller": {"max_staleness": 2}},
     "eta4": {"controller": {"max_staleness": 4}},
+    "eta8": {"controller": {"max_staleness": 8}},
     "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
     "eta2-trainer2threads": {"controller": {"max_staleness": 2}, "trainer": {"threads": 2}},
+    # The trainer as a thread of the driver, beside the rollout manager's event loop (before 2026-11-30).
+    "eta4-trainer-thread": {"controller": {"max_staleness": 4}, "trainer": {"own_process": False}},
 }
 
 
 # Tail shapes: (fraction of long answers, repeat range of long answers, model context, max_new_tokens).
+# "mild" and "heavy" make some *prompts* long (all 8 samples of such a group are long); "think" makes
+# some *samples* long, as in reasoning RL where any prompt's sample may think at length: the warm
+# start teaches the model to open ~4 % of its answers with a thought ":37;37;...;37>" (the repeat
+# range is the thought's length) before the answer, which the reward reads after the last ">".
 TAILS = {
     "mild": (0.10, (16, 28), 128, 96),  # long answers 47-83 tokens
     "heavy": (0.04, (60, 90), 320, 280),  # long answers 179-269 tokens
+    "think": (0.05, (60, 90), 320, 280),  # long samples ~180-280 tokens, any prompt
 }
 
 
@@ -56,12 +64,18 @@ def make_records(n: int, seed: int, tail: str) -> list[dict]:
     out = []
     for _ in range(n):
         a = rng.randint(10, 99)
-        k = rng.randint(lo, hi) if rng.random() < frac else rng.randint(1, 2)
+        long_prompt = tail != "think" and rng.random() < frac
+        k = rng.randint(lo, hi) if long_prompt else rng.randint(1, 2)
         out.append({"prompt": f"{a}*{k}=", "answer": ",".join([str(a)] * k)})
     return out
 
 
-def warm_start(model_dir: Path, records: list[dict], steps: int, seed: int) -> None:
+def reward(response_text: str, answer: str) -> float:
+    """1 iff the answer (after a thought's last ">", if any) equals the reference."""
+    return 1.0 if response_text.rsplit(">", 1)[-1].strip() == answer.strip() else 0.0
+
+
+def warm_start(model_dir: Path, records: list[dict], steps: int, seed: int, tail: str) -> None:
     """Supervised start with sloppy labels (30% repeat one time too many or too few)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,25 +87,30 @@ def warm_start(model_dir: Path, records: list[dict], steps: int, seed: int) -> N
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     short = [r for r in records if r["answer"].count(",") < 2]
-    long_ = [r for r in records if r["answer"].count(",") >= 2]
+    long_ = [r for r in records if r["answer"].count(",") >= 2] or short
+    think = TAILS[tail][1] if tail == "think" else None
     for _ in range(steps):
         # Short and long examples in separate micro-batches: padding a batch to the longest answer
-        # would make the warm start ~20x more expensive.
-        for part in (rng.sample(short, 128), rng.sample(long_, min(8, len(long_)))):
-            _sft_step(model, tok, part, rng, enc, scale=len(part) / 136)
+        # would make the warm start ~20x more expensive. Half the loss each, so the rare long
+        # answers are learnt at all (with a share by count, the model learns to stop early).
+        _sft_step(model, tok, rng.sample(short, 128), rng, enc, scale=0.5)
+        # A thought is opened at the first answer token: 2.5x the weight makes ~4 % of samples think.
+        _sft_step(model, tok, rng.sample(long_, 8), rng, enc, scale=1.25 if think else 0.5, think=think)
         opt.step()
         sched.step()
         opt.zero_grad()
     model.save_pretrained(model_dir)
 
 
-def _sft_step(model, tok, batch: list[dict], rng: random.Random, enc, scale: float) -> None:  # noqa: ANN001
+def _sft_step(model, tok, batch: list[dict], rng: random.Random, enc, scale: float,  # noqa: ANN001
+              think: tuple[int, int] | None = None) -> None:
     seqs, starts = [], []
     for r in batch:
         a, k = r["prompt"][:-1].split("*")
         k = max(1, int(k) + (rng.choice([-1, 1]) if rng.random() < 0.3 else 0))
         p = [tok.bos_token_id, *enc(r["prompt"])]
-        seqs.append(p + enc(",".join([a] * k)) + [tok.eos_token_id])
+        thought = ":" + ";".join([a] * rng.randint(*think)) + ">" if think else ""
+        seqs.append(p + enc(thought + ",".join([a] * k)) + [tok.eos_token_id])
         starts.append(len(p))
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
@@ -125,6 +144,9 @@ def run_mode(name: str, overrides: dict, base: dict) -> dict:
         "dropped_stale": sum(r["dropped_stale"] for r in rows),
         "staleness_max": max(r["staleness_max"] for r in rows),
         "engine_idle_frac": round(sum(r["engine_idle_frac"] for r in rows) / n, 3),
+        "engine_prefill_s": round(sum(r.get("engine_prefill_s", 0.0) for r in rows), 2),
+        "train_s": round(sum(r["train_s"] for r in rows), 2),
+        "skipped_samples": sum(r.get("skipped_samples", 0) for r in rows),
         "trainer_wait_frac": round(sum(r["trainer_wait_s"] for r in rows) / train_wall, 3),
         "process_wall_s": round(time.perf_counter() - t0, 1),
         "settings": overrides,
@@ -138,29 +160,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-steps", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", default="http", choices=["http", "local"])
-    ap.add_argument("--tail", default="mild", choices=sorted(TAILS))
+    ap.add_argument("--tail", default="think", choices=sorted(TAILS))
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="engine replicas (processes) in every mode; on 2 cores a second one only takes CPU from the trainer")
     ap.add_argument("--work-dir", default=None, help="keep model and runs here instead of a temp dir")
     ap.add_argument("--out", default=str(RESULTS / "async_vs_sync.json"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.work_dir or tmp
         _, _, context, max_new = TAILS[args.tail]
-        model_dir = build_tiny_model(Path(tmp) / "model", preset="tiny", seed=args.seed,
-                                     max_position_embeddings=context)
         records = make_records(4000, args.seed, args.tail)
         data = Path(tmp) / "repeat.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in records))
-        t0 = time.perf_counter()
-        torch.set_num_threads(2)
-        warm_start(model_dir, records[200:], args.warm_steps, args.seed)
-        print(f"warm start: {time.perf_counter() - t0:.0f} s", flush=True)
+        # The warm start is deterministic in (tail, seed, steps): a --work-dir keeps it for the next run.
+        model_dir = Path(tmp) / f"model-{args.tail}-{args.seed}-{args.warm_steps}"
+        if not (model_dir / "warm.done").exists():
+            build_tiny_model(model_dir, preset="tiny", seed=args.seed, max_position_embeddings=context)
+            t0 = time.perf_counter()
+            torch.set_num_threads(2)
+            warm_start(model_dir, records[200:], args.warm_steps, args.seed, args.tail)
+            (model_dir / "warm.done").touch()
+            print(f"warm start: {time.perf_counter() - t0:.0f} s", flush=True)
         base = {
             "run_dir": str(Path(tmp) / "runs"), "seed": args.seed,
             "model": {"path": str(model_dir), "init": "none"},
-            "data": {"task": None, "path": str(data), "eval_size": 64},
+            "data": {"task": None, "path": str(data), "eval_size": 64, "reward": f"{Path(__file__).resolve()}:reward"},
             # Engines in their own processes (`streamrl serve`), as in production: no GIL shared with the
             # trainer. `--pool local` keeps them in-process for comparison.
-            "engines": {"max_running_requests": 128, "pool": args.pool},
+            "engines": {"max_running_requests": 128, "pool": args.pool, "num_replicas": args.replicas},
             "rollout": {"group_size": 8, "max_new_tokens": max_new, "temperature": 1.0},
             "trainer": {"steps": args.steps, "batch_groups": 8, "lr": 3e-5, "loss": "decoupled_ppo"},
         }
@@ -186,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row(*[str(r[c]) for c in cols])
     Console().print(t)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"tail": args.tail, "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
+    meta = {"replicas": args.replicas, "tail": args.tail, "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
             "python": sys.version.split()[0]}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     print(f"wrote {args.out}")
