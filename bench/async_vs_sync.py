@@ -40,7 +40,9 @@ MODES: dict[str, dict] = {
     "eta4": {"controller": {"max_staleness": 4}},
     "eta8": {"controller": {"max_staleness": 8}},
     "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
+    "sync-trainer2threads": {"controller": {"max_staleness": 0}, "trainer": {"threads": 2}},
     "eta2-trainer2threads": {"controller": {"max_staleness": 2}, "trainer": {"threads": 2}},
+    "eta4-trainer2threads": {"controller": {"max_staleness": 4}, "trainer": {"threads": 2}},
     # The trainer as a thread of the driver, beside the rollout manager's event loop (before 2026-11-30).
     "eta4-trainer-thread": {"controller": {"max_staleness": 4}, "trainer": {"own_process": False}},
 }
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", default="http", choices=["http", "local"])
     ap.add_argument("--tail", default="think", choices=sorted(TAILS))
+    ap.add_argument("--max-running", type=int, default=128, help="engines.max_running_requests")
     ap.add_argument("--replicas", type=int, default=1,
                     help="engine replicas (processes) in every mode; on 2 cores a second one only takes CPU from the trainer")
     ap.add_argument("--work-dir", default=None, help="keep model and runs here instead of a temp dir")
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "data": {"task": None, "path": str(data), "eval_size": 64, "reward": f"{Path(__file__).resolve()}:reward"},
             # Engines in their own processes (`streamrl serve`), as in production: no GIL shared with the
             # trainer. `--pool local` keeps them in-process for comparison.
-            "engines": {"max_running_requests": 128, "pool": args.pool, "num_replicas": args.replicas},
+            "engines": {"max_running_requests": args.max_running, "pool": args.pool, "num_replicas": args.replicas},
             "rollout": {"group_size": 8, "max_new_tokens": max_new, "temperature": 1.0},
             "trainer": {"steps": args.steps, "batch_groups": 8, "lr": 3e-5, "loss": "decoupled_ppo"},
         }
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row(*[str(r[c]) for c in cols])
     Console().print(t)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"replicas": args.replicas, "tail": args.tail, "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
+    meta = {"replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail, "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
             "python": sys.version.split()[0]}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     print(f"wrote {args.out}")

@@ -27,7 +27,9 @@ def small_cfg(tmp_path: Path, model_dir: Path, **sections) -> dict:
         "data": {"eval_size": 16},
         "engines": {"max_running_requests": 32},
         "rollout": {"group_size": 4, "max_new_tokens": 6},
-        "trainer": {"steps": 6, "batch_groups": 2, "lr": 1e-4},
+        # Every sample computed, so each step's on-policy logprob check has tokens to compare (a step
+        # whose groups all tie would skip them all and report null).
+        "trainer": {"steps": 6, "batch_groups": 2, "lr": 1e-4, "skip_zero_advantage": False},
     }
     for k, v in sections.items():
         cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v

@@ -1,9 +1,8 @@
 """The trainer in a process of its own, driven like the in-process `Trainer`.
 
 Why: the rollout manager's event loop (HTTP to the engines, rewards, the buffer) runs in the driver.
-A trainer thread beside it fights that loop for the GIL at every torch op, and async runs measured the
-trainer's step 1.5x slower than alone for the same CPU time. In its own process the trainer keeps its
-speed while the loop keeps the engines fed.
+A trainer thread beside it shares that loop's GIL at every torch op: in bench/async_vs_sync.py
+(eta = 4) the run took 1.25x as long with the trainer as a thread as with the trainer in its own process.
 
 How the weights come back without a copy: the child moves the model's parameters to shared memory
 before the first step and sends them to the parent once; the optimizer updates them in place, so the
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import signal
 import traceback
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,9 @@ _decode_groups = msgspec.msgpack.Decoder(list[Group])
 
 
 def _serve(conn: Any, model_path: str, settings: TrainerSettings, threads: int) -> None:
+    # Ctrl-C reaches the whole process group; the parent decides when this process stops (and if the
+    # parent dies, the pipe closes and the loop below ends).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         trainer = Trainer(model_path, settings)
