@@ -1,15 +1,16 @@
 """Synchronous vs asynchronous training on a long-tail response-length task, one process run.
 
-Task "repeat": `"37*3="` -> `"37,37,37"`. 90% of prompts repeat 1-2 times (2-5 answer tokens), 10%
-repeat 16-28 times (47-83 tokens): most answers short, a few 20x longer — the shape of real
-reasoning rollouts, where synchronous RL waits for the slowest sample of every batch.
+Task "repeat": `"37*2="` -> `"37,37"`. With `--tail think` (default) ~4 % of samples, of any prompt,
+first think for 60-280 tokens (`":37;37;...;37>37,37"`) while the rest answer in ~5: most answers
+short, a few 50x longer, the shape of reasoning rollouts, where synchronous RL waits for the slowest
+sample of every batch. `--tail heavy` / `mild` make some *prompts* long instead (all 8 samples).
 
 Every mode uses the same model (a tiny model warm-started on the task with sloppy labels), seed, task
 and sample budget, through the same `streamrl.run.run` code path; only the controller / rollout
 settings differ. Reported per mode: wall time to the sample budget, samples/s, engine idle fraction,
 tokens discarded, final reward, max staleness, and the speedup over sync.
 
-    python bench/async_vs_sync.py [--steps 120] [--modes sync,eta1,eta2,eta4,eta4-discard]
+    python bench/async_vs_sync.py [--tail think|heavy|mild] [--steps 100] [--modes sync,eta1,eta4,...]
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ MODES: dict[str, dict] = {
 TAILS = {
     "mild": (0.10, (16, 28), 128, 96),  # long answers 47-83 tokens
     "heavy": (0.04, (60, 90), 320, 280),  # long answers 179-269 tokens
-    "think": (0.05, (60, 90), 320, 280),  # long samples ~180-280 tokens, any prompt
+    "think": (0.0, (60, 90), 320, 280),  # no long prompts; the warm start's weight makes ~4 % of samples think
 }
 
 
@@ -157,9 +158,9 @@ def run_mode(name: str, overrides: dict, base: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=120, help="trainer steps per mode (budget = steps*8*8 samples)")
+    ap.add_argument("--steps", type=int, default=100, help="trainer steps per mode (budget = steps*8*8 samples)")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--warm-steps", type=int, default=600)
+    ap.add_argument("--warm-steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", default="http", choices=["http", "local"])
     ap.add_argument("--tail", default="think", choices=sorted(TAILS))

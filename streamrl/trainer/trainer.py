@@ -37,7 +37,7 @@ class TrainerSettings:
     micro_batch_tokens: int = 4096  # padded tokens per forward/backward (gradients accumulate)
     # Samples whose advantage is exactly 0 (every sample of their group got the same reward) add 0 to
     # the policy loss and to its gradient; only their tokens in the denominator matter. Skipping their
-    # forward/backward leaves the update bit-for-bit the same math and saves their compute. Ignored with
+    # forward/backward leaves the same update (up to float summation order) and saves their compute. Ignored with
     # a KL term, which does depend on them.
     skip_zero_advantage: bool = True
 
@@ -82,7 +82,8 @@ class Trainer:
         adv = group_advantages(rewards).reshape(-1)  # [G*n]
         n_loss = sum(sum(s.loss_mask) for s in samples)  # the denominator counts skipped samples too
         skip = self.settings.skip_zero_advantage and self.ref_model is None
-        trained = [i for i in range(len(samples)) if not (skip and adv[i] == 0)]
+        nonzero = (adv != 0).tolist()
+        trained = [i for i in range(len(samples)) if nonzero[i] or not skip]
         # set_to_none=False: a parameter keeps a (zero) gradient even when every sample is skipped, so
         # AdamW steps exactly as it would on the all-zero gradient of the full batch.
         self.optimizer.zero_grad(set_to_none=False)
