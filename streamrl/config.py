@@ -160,6 +160,9 @@ class TrainerConfig(_Section):
     save_every: Annotated[int, _d("checkpoint every N steps; 0 = only at the end", ge=0)] = 0
     threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
     micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
+    micro_batch_padding: Annotated[float, _d(
+        "padding allowed per micro-batch, as a fraction of its real tokens (samples bucketed by length)", ge=0
+    )] = 0.25
     own_process: Annotated[bool, _d(
         "CPU trainer in its own process, away from the rollout manager's event loop (GIL)"
     )] = True

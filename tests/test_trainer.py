@@ -30,16 +30,19 @@ def fake_groups(seed: int, n_groups: int = 3, n: int = 4) -> list[Group]:
 
 @pytest.mark.parametrize("kind", ["grpo", "decoupled_ppo"])
 def test_micro_batches_give_the_same_update(tiny_model_dir: Path, kind: str) -> None:
-    def trained(budget: int) -> tuple[list[torch.Tensor], Trainer, dict]:
+    def trained(budget: int, padding: float) -> tuple[list[torch.Tensor], Trainer, dict]:
         torch.manual_seed(0)
-        t = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss=LossConfig(kind=kind), micro_batch_tokens=budget))
+        settings = TrainerSettings(lr=1e-3, loss=LossConfig(kind=kind), micro_batch_tokens=budget,
+                                   micro_batch_padding=padding)
+        t = Trainer(str(tiny_model_dir), settings)
         stats = t.train_step(fake_groups(1))
         # Compare gradients, not Adam's update: Adam divides by sqrt(v), which turns float summation
         # noise on near-zero gradients into lr-sized differences.
         return [p.grad.detach().clone() for p in t.model.parameters()], t, stats
 
-    whole, t1, s1 = trained(10**6)
-    split, t2, s2 = trained(40)
+    whole, t1, s1 = trained(10**6, float("inf"))
+    split, t2, s2 = trained(40, 0.25)
+    assert len(t1.micro_batches([10, 10, 30, 30, 30])) == 1
     assert len(t2.micro_batches([10, 10, 30, 30, 30])) > 1
     assert any(a.abs().max() > 1e-4 for a in whole)
     for a, b in zip(whole, split, strict=True):

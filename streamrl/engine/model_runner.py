@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..batching import length_buckets
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -128,17 +130,7 @@ class ModelRunner:
         prompts beside partial samples resumed after a weight update) are therefore prefilled in
         buckets of similar length: in a mix of 10..280 tokens that halves the work.
         """
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        buckets: list[list[int]] = [[]]
-        real = 0
-        for i in order:
-            n = len(seqs[i])
-            # Sorted ascending, so n is the bucket's width if i joins: allow 25% padding per bucket.
-            if buckets[-1] and n * (len(buckets[-1]) + 1) > 1.25 * (real + n):
-                buckets.append([])
-                real = 0
-            buckets[-1].append(i)
-            real += n
+        buckets = length_buckets([len(s) for s in seqs], max_padding=0.25)
         if len(buckets) == 1:
             return self._prefill_padded(rows, seqs)
         out: torch.Tensor | None = None
