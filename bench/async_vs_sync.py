@@ -39,6 +39,7 @@ MODES: dict[str, dict] = {
     "eta1": {"controller": {"max_staleness": 1}},
     "eta2": {"controller": {"max_staleness": 2}},
     "eta4": {"controller": {"max_staleness": 4}},
+    "eta6": {"controller": {"max_staleness": 6}},
     "eta8": {"controller": {"max_staleness": 8}},
     "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
     "sync-trainer2threads": {"controller": {"max_staleness": 0}, "trainer": {"threads": 2}},
