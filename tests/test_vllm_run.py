@@ -138,11 +138,17 @@ def user_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 async def test_async_run_on_vllm_resumes_partials_and_discards_nothing(tmp_path: Path, user_server) -> None:  # noqa: ANN001
     url, model = user_server
     cfg = config_from_dict(small_cfg(
-        tmp_path, model, controller={"max_staleness": 2}, trainer={"steps": 8, "batch_groups": 2}, data={"eval_size": 2},
+        tmp_path, model, controller={"max_staleness": 2}, data={"eval_size": 2},
+        # Every sample runs out its budget with the same reward (advantage 0): skipping their compute keeps
+        # each train step far shorter than generating a batch, so every update finds samples in flight.
+        # With the full computation the trainer, sharing 2 cores with vLLM, could take as long as the
+        # engine and find the buffer full and nothing in flight at an update.
+        trainer={"steps": 8, "batch_groups": 2, "skip_zero_advantage": True},
         rollout={"group_size": 4, "max_new_tokens": 200}, engines={"pool": "http", "backend": "vllm", "urls": [url]},
     ))
     await run(cfg, show_progress=False, log=lambda *_: None)
     rows = read_metrics(Path(cfg.run_dir))
+    assert sum(r["skipped_samples"] for r in rows) > 0
     assert sum(r["partial_resumed"] for r in rows) > 0
     assert sum(r["tokens_discarded"] for r in rows) == 0
     assert max(r["staleness_max"] for r in rows) <= 2
