@@ -9,7 +9,9 @@ at the price of a few more (smaller) calls.
 from __future__ import annotations
 
 
-def length_buckets(lengths: list[int], *, max_padding: float = 0.25, max_tokens: int | None = None) -> list[list[int]]:
+def length_buckets(
+    lengths: list[int], *, max_padding: float = 0.25, max_tokens: int | None = None
+) -> list[list[int]]:
     """Indices of `lengths`, ascending by length, cut into buckets.
 
     Each bucket's padded size (its longest length times its size) stays within `(1 + max_padding)` of
@@ -20,9 +22,9 @@ def length_buckets(lengths: list[int], *, max_padding: float = 0.25, max_tokens:
     real = 0
     for i in order:
         n = lengths[i]
-        # Ascending, so n is the bucket's width if i joins it.
-        padded = n * (len(buckets[-1]) + 1) if buckets else 0
-        if not buckets or padded > (1 + max_padding) * (real + n) or (max_tokens is not None and padded > max_tokens):
+        padded = n * (len(buckets[-1]) + 1) if buckets else 0  # ascending: n is the width if i joins
+        too_padded = padded > (1 + max_padding) * (real + n)
+        if not buckets or too_padded or (max_tokens is not None and padded > max_tokens):
             buckets.append([])
             real = 0
         buckets[-1].append(i)
