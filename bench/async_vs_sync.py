@@ -10,7 +10,11 @@ and sample budget, through the same `streamrl.run.run` code path; only the contr
 settings differ. Reported per mode: wall time to the sample budget, samples/s, engine idle fraction,
 tokens discarded, final reward, max staleness, and the speedup over sync.
 
-    python bench/async_vs_sync.py [--tail think|heavy|mild] [--steps 100] [--modes sync,eta1,eta4,...]
+    python bench/async_vs_sync.py [--tail think|heavy|mild] [--steps 100] [--modes sync,eta1,eta4,...] [--rounds 3]
+
+Timings on these machines drift by 20-30 % within minutes: `--rounds N` runs the mode list N times,
+interleaved, and reports per mode the median of the per-round speedups (each against the same
+round's sync run) and the worst correctness figures of any round.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -157,6 +162,34 @@ def run_mode(name: str, overrides: dict, base: dict) -> dict:
     }
 
 
+def add_speedups(rows: list[dict]) -> None:
+    """Speedups within one round: against that round's sync run, and its fastest sync variant."""
+    sync = next((r for r in rows if r["mode"] == "sync"), None)
+    best_sync = min((r for r in rows if r["mode"].startswith("sync")), key=lambda r: r["wall_s"], default=None)
+    for r in rows:
+        r["speedup_vs_sync"] = round(sync["wall_s"] / r["wall_s"], 2) if sync else None
+        r["speedup_vs_best_sync"] = round(best_sync["wall_s"] / r["wall_s"], 2) if best_sync else None
+
+
+def summarize(rounds: list[list[dict]]) -> list[dict]:
+    """One entry per mode: the round with the median wall time, with the median of the per-round
+    speedups, every round's wall time and speedup, and the worst correctness figures of any round."""
+    out = []
+    for i in range(len(rounds[0])):
+        runs = [rows[i] for rows in rounds]
+        row = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
+        speedups = [r["speedup_vs_sync"] for r in runs]
+        if None not in speedups:
+            row["speedup_vs_sync"] = round(statistics.median(speedups), 2)
+        if len(runs) > 1:
+            row["wall_s_rounds"] = [r["wall_s"] for r in runs]
+            row["speedup_vs_sync_rounds"] = speedups
+            for k in ("tokens_discarded", "dropped_stale", "staleness_max"):
+                row[k] = max(r[k] for r in runs)
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100, help="trainer steps per mode (budget = steps*8*8 samples)")
@@ -169,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=1,
                     help="engine replicas (processes) in every mode; on 2 cores a second one only takes CPU from the trainer")
     ap.add_argument("--work-dir", default=None, help="keep model and runs here instead of a temp dir")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the mode list this many times, interleaved; report medians (machines here drift)")
     ap.add_argument("--out", default=str(RESULTS / "async_vs_sync.json"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,15 +231,15 @@ def main(argv: list[str] | None = None) -> int:
             "rollout": {"group_size": 8, "max_new_tokens": max_new, "temperature": 1.0},
             "trainer": {"steps": args.steps, "batch_groups": 8, "lr": 3e-5, "loss": "decoupled_ppo"},
         }
-        rows = []
-        for name in args.modes.split(","):
-            rows.append(run_mode(name, MODES[name], base))
-            print(rows[-1], flush=True)
-    sync = next((r for r in rows if r["mode"] == "sync"), None)
-    best_sync = min((r for r in rows if r["mode"].startswith("sync")), key=lambda r: r["wall_s"], default=None)
-    for r in rows:
-        r["speedup_vs_sync"] = round(sync["wall_s"] / r["wall_s"], 2) if sync else None
-        r["speedup_vs_best_sync"] = round(best_sync["wall_s"] / r["wall_s"], 2) if best_sync else None
+        rounds = []
+        for k in range(args.rounds):
+            rows = []
+            for name in args.modes.split(","):
+                rows.append(run_mode(name, MODES[name], base))
+                print(f"round {k + 1}/{args.rounds}:", rows[-1], flush=True)
+            add_speedups(rows)
+            rounds.append(rows)
+    rows = summarize(rounds)
 
     from rich.console import Console
     from rich.table import Table
@@ -220,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail, "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
             "python": sys.version.split()[0]}
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    meta["rounds"] = args.rounds
+    out = {"meta": meta, "results": rows}
+    if args.rounds > 1:
+        out["rounds"] = rounds
+    Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
     return 0
 
