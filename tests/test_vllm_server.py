@@ -203,12 +203,19 @@ async def test_abort_by_request_id_returns_the_partial_tokens(server: str) -> No
 async def test_pause_abort_and_keep(server: str) -> None:
     async with VLLMClient(server) as c:
         # abort: every in-flight request ends now, partial; a request sent while paused waits for resume.
-        tasks = await _until_tokens(c, "pa")
-        await c.pause("abort")
-        assert await c.is_paused()
-        done = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in done), [
-            (r["meta_info"]["finish_reason"], len(r["output_ids"])) for r in done]
+        # On a busy 2-core machine vLLM's engine core can starve its API server until the requests have
+        # run out their budget (seen once in a full-suite run): a round where the pause came too late
+        # for every request is tried again, up to 3 times; a pause that never aborts still fails.
+        for attempt in range(3):
+            tasks = await _until_tokens(c, f"pa{attempt}")
+            await c.pause("abort")
+            assert await c.is_paused()
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            reasons = [(r["meta_info"]["finish_reason"]["type"], len(r["output_ids"])) for r in done]
+            if any(kind == "abort" for kind, _ in reasons) or attempt == 2:
+                break
+            await c.resume()
+        assert all(kind == "abort" for kind, _ in reasons), reasons
         assert all(0 < len(r["output_ids"]) < 1500 for r in done), [len(r["output_ids"]) for r in done]
         late = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 3, "ignore_eos": True}, "late"))
         await asyncio.sleep(1.0)
