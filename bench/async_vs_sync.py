@@ -12,7 +12,7 @@ tokens discarded, final reward, max staleness, and the speedup over sync.
 
     python bench/async_vs_sync.py [--tail think|heavy|mild] [--steps 100] [--modes sync,eta1,eta4,...] [--rounds 3]
 
-Timings on these machines drift by 20-30 % within minutes: `--rounds N` runs the mode list N times,
+Timings on these machines drift by 20-40 % within an hour: `--rounds N` runs the mode list N times,
 interleaved, and reports per mode the median of the per-round speedups (each against the same
 round's sync run) and the worst correctness figures of any round.
 """
@@ -253,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row(*[str(r[c]) for c in cols])
     Console().print(t)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail, "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps, "torch": torch.__version__,
-            "python": sys.version.split()[0]}
-    meta["rounds"] = args.rounds
+    meta = {"replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail,
+            "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps,
+            "rounds": args.rounds, "torch": torch.__version__, "python": sys.version.split()[0]}
     out = {"meta": meta, "results": rows}
     if args.rounds > 1:
         out["rounds"] = rounds

@@ -2,7 +2,8 @@
 
 Why: the rollout manager's event loop (HTTP to the engines, rewards, the buffer) runs in the driver.
 A trainer thread beside it shares that loop's GIL at every torch op: in bench/async_vs_sync.py
-(eta = 4) the run took 1.25x as long with the trainer as a thread as with the trainer in its own process.
+(eta = 4), while the trainer was the bottleneck, the run took 1.25x as long with the trainer as a thread.
+Once the trainer got cheaper (length-bucketed micro-batches) the two layouts measured the same.
 
 How the weights come back without a copy: the child moves the model's parameters to shared memory
 before the first step and sends them to the parent once; the optimizer updates them in place, so the

@@ -39,8 +39,8 @@ class TrainerSettings:
     micro_batch_padding: float = 0.25  # padding allowed per micro-batch, as a fraction of its real tokens
     # Samples whose advantage is exactly 0 (every sample of their group got the same reward) add 0 to
     # the policy loss and to its gradient; only their tokens in the denominator matter. Skipping their
-    # forward/backward leaves the same update (up to float summation order) and saves their compute. Ignored with
-    # a KL term, which does depend on them.
+    # forward/backward leaves the same update (up to float summation order) and saves their compute.
+    # Ignored with a KL term, which does depend on them.
     skip_zero_advantage: bool = True
 
 
