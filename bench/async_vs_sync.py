@@ -47,6 +47,9 @@ MODES: dict[str, dict] = {
     "eta6": {"controller": {"max_staleness": 6}},
     "eta8": {"controller": {"max_staleness": 8}},
     "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
+    # PyTorch SDPA for decode attention instead of the compiled CPU kernel (the default before 2026-12-01).
+    "sync-sdpa": {"controller": {"max_staleness": 0}, "engines": {"cpu_kernel": False}},
+    "eta4-sdpa": {"controller": {"max_staleness": 4}, "engines": {"cpu_kernel": False}},
     "sync-trainer2threads": {"controller": {"max_staleness": 0}, "trainer": {"threads": 2}},
     "eta2-trainer2threads": {"controller": {"max_staleness": 2}, "trainer": {"threads": 2}},
     "eta4-trainer2threads": {"controller": {"max_staleness": 4}, "trainer": {"threads": 2}},

@@ -18,3 +18,7 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.streamrl-installed-*
   touch "$stamp"
 fi
+# The embedded engine's CPU decode-attention kernel: compiled once per machine (~30 s), cached by torch.
+# Built here so the first engine start (and the first test) does not pay for it. A machine that cannot
+# build it still works: the engine logs a warning and uses PyTorch SDPA.
+.venv/bin/python -c "from streamrl.engine.kernels import decode_attention; decode_attention()"

@@ -86,7 +86,7 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
         servers = launch_servers(
             e.num_replicas, model_dir, Path(cfg.run_dir), device=resolve_device(cfg.model.device),
             dtype=cfg.model.dtype, max_running_requests=e.max_running_requests, threads=e.threads,
-            weight_version="0",
+            weight_version="0", cpu_kernel=e.cpu_kernel,
         )
         return HttpPool(launch=servers, **router)  # type: ignore[return-value, arg-type]
     if e.pool == "ray_serve":
@@ -97,7 +97,7 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
             # "auto" is resolved by each replica on its own node (the driver may have no GPU).
             engine_kwargs=dict(device=cfg.model.device, dtype=cfg.model.dtype,
                                max_running_requests=e.max_running_requests, max_total_tokens=e.max_total_tokens,
-                               seed=cfg.seed, weight_version="0"),
+                               seed=cfg.seed, weight_version="0", cpu_kernel=e.cpu_kernel),
             cpus_per_replica=e.cpus_per_replica, gpus_per_replica=e.gpus_per_replica, threads=e.threads,
             stream_interval=e.stream_interval, ray_address=e.ray_address,
         )
@@ -106,7 +106,7 @@ def build_pool(cfg: Config, model_dir: str) -> EnginePool:
             TorchEngine(
                 model_dir, device=resolve_device(cfg.model.device), dtype=cfg.model.dtype,
                 max_running_requests=e.max_running_requests, max_total_tokens=e.max_total_tokens,
-                seed=cfg.seed + i, weight_version="0", num_threads=e.threads,
+                seed=cfg.seed + i, weight_version="0", num_threads=e.threads, cpu_kernel=e.cpu_kernel,
             )
             for i in range(e.num_replicas)
         ]

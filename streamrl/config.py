@@ -113,6 +113,10 @@ class EnginesConfig(_Section):
         None
     )
     threads: Annotated[int, _d("torch CPU threads per embedded engine", ge=1)] = 1
+    cpu_kernel: Annotated[bool, _d(
+        "embedded engine on CPU, float32: compiled C++ decode attention (built on first use, cached); "
+        "false = PyTorch SDPA, same numbers, slower"
+    )] = True
     weight_sync: Annotated[Literal["disk", "distributed"], _d("pool=http: safetensors folder or gloo broadcast")] = (
         "disk"
     )

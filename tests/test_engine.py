@@ -340,7 +340,7 @@ async def test_decode_split_into_dense_and_single_rows_matches_full_forward(
     monkeypatch.setattr(mr, "_CALL_COST_POSITIONS", 0)  # split at nearly every step
     model = hf(tiny_model_dir)
     prompts = [[1] + [4 + (i * j) % 17 for j in range(n)] for i, n in enumerate([2, 30, 3, 45, 5, 12])]
-    async with engine(tiny_model_dir) as eng:
+    async with engine(tiny_model_dir, cpu_kernel=False) as eng:  # the SDPA path (CPU defaults to the kernel)
         results = await asyncio.gather(*[
             eng.generate(p, {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True})
             for i, p in enumerate(prompts)

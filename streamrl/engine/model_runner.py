@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batching import length_buckets
+from . import kernels
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +49,7 @@ def supports_fast_path(model: Any) -> bool:
 class ModelRunner:
     """Per-slot KV cache runner for Llama-family models."""
 
-    def __init__(self, model: Any, num_rows: int, max_len: int) -> None:
+    def __init__(self, model: Any, num_rows: int, max_len: int, *, cpu_kernel: bool = True) -> None:
         self.model = model
         cfg = model.config
         self.layers = list(model.model.layers)
@@ -61,6 +62,11 @@ class ModelRunner:
         self._rope = getattr(mod, "apply_rotary_pos_emb", None) or _default_rope
         self.num_rows = num_rows
         self.max_len = max_len
+        # On CPU in float32, decode attention is a compiled kernel that wants keys transposed
+        # ([rows, kv heads, head_dim, max_len]); elsewhere SDPA over [rows, kv heads, max_len, head_dim].
+        use = cpu_kernel and self.device.type == "cpu" and self.dtype == torch.float32
+        self.kernel = kernels.decode_attention() if use else None
+        self.k_transposed = self.kernel is not None
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.allocate()
@@ -75,7 +81,8 @@ class ModelRunner:
 
     def allocate(self) -> None:
         shape = (self.num_rows, self.num_kv_heads, self.max_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        kshape = (*shape[:2], self.head_dim, self.max_len) if self.k_transposed else shape
+        self.k_cache = [torch.zeros(kshape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
     def free(self) -> None:
@@ -84,11 +91,16 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Compaction: the request in row `src` now lives in row `dst`."""
+    def move_row(self, src: int, dst: int, length: int | None = None) -> None:
+        """Compaction: the request in row `src` (with `length` cached positions, default all) now
+        lives in row `dst`."""
+        n = self.max_len if length is None else length
         for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+            if self.k_transposed:
+                k[dst, :, :, :n].copy_(k[src, :, :, :n])
+            else:
+                k[dst, :, :n].copy_(k[src, :, :n])
+            v[dst, :, :n].copy_(v[src, :, :n])
 
     def _attend(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         attn = layer.self_attn
@@ -157,7 +169,10 @@ class ModelRunner:
         row_idx = torch.tensor(rows, device=dev)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k_cache[i][row_idx, :, :lmax] = k
+            if self.k_transposed:
+                self.k_cache[i][row_idx, :, :, :lmax] = k.transpose(-1, -2)
+            else:
+                self.k_cache[i][row_idx, :, :lmax] = k
             self.v_cache[i][row_idx, :, :lmax] = v
             return self._sdpa(q, k, v, mask)
 
@@ -170,6 +185,8 @@ class ModelRunner:
         b, dev = len(tokens), self.device
         ids = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]  # [B, 1]
         pos = torch.tensor(ctx_lens, dtype=torch.long, device=dev)  # [B]
+        if self.kernel is not None:
+            return self._decode_kernel(ids, pos)
         span, long_rows = split_span([c + 1 for c in ctx_lens])
         ar = torch.arange(b, device=dev)
         mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,span]
@@ -185,6 +202,22 @@ class ModelRunner:
                 n = ctx_lens[r] + 1
                 out[r : r + 1] = self._sdpa(q[r : r + 1], kc[r : r + 1, :, :n], vc[r : r + 1, :, :n], None)
             return out
+
+        h = self._forward(ids, pos[:, None], attend)  # [B, 1, H]
+        return self._logits(h[:, 0])
+
+    def _decode_kernel(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        b = ids.shape[0]
+        ar = torch.arange(b, device=ids.device)
+        keys = pos + 1  # row r attends to its ctx_lens[r] cached positions and the new one
+        kernel = self.kernel
+        assert kernel is not None
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[ar, :, :, pos] = k[:, :, 0]
+            vc[ar, :, pos] = v[:, :, 0]
+            return kernel(q[:, :, 0].contiguous(), kc, vc, keys, self.scale)[:, :, None]  # [B, heads, 1, hd]
 
         h = self._forward(ids, pos[:, None], attend)  # [B, 1, H]
         return self._logits(h[:, 0])
@@ -237,7 +270,7 @@ class FallbackRunner:
     def kv_bytes(self) -> int:
         return 0
 
-    def move_row(self, src: int, dst: int) -> None:
+    def move_row(self, src: int, dst: int, length: int | None = None) -> None:
         self.rows[dst] = self.rows[src]
 
     def _run(self, seqs: list[list[int]]) -> torch.Tensor:

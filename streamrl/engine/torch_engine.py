@@ -64,6 +64,7 @@ class TorchEngine:
         load_tokenizer: bool = True,
         num_threads: int | None = None,
         inline: bool | None = None,
+        cpu_kernel: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,8 +79,10 @@ class TorchEngine:
         self.context_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 2048))
         self.eos_ids = self._eos_ids()
         rows = max_running_requests
-        runner_cls = ModelRunner if supports_fast_path(self.model) else FallbackRunner
-        self.runner: ModelRunner | FallbackRunner = runner_cls(self.model, rows, self.context_len)
+        self.runner: ModelRunner | FallbackRunner = (
+            ModelRunner(self.model, rows, self.context_len, cpu_kernel=cpu_kernel)
+            if supports_fast_path(self.model) else FallbackRunner(self.model, rows, self.context_len)
+        )
         self.scheduler = Scheduler(
             max_running=rows,
             max_total_tokens=max_total_tokens or rows * self.context_len,
@@ -305,7 +308,9 @@ class TorchEngine:
         r.finished = True
         moved = self.scheduler.remove(r)
         if moved is not None:
-            self.runner.move_row(*moved)
+            src, dst = moved
+            # Only its cached positions: ctx_len, plus the one this step wrote if its token is not appended yet.
+            self.runner.move_row(src, dst, min(self.scheduler.running[dst].ctx_len + 1, self.runner.max_len))
         self._requests.pop(r.rid, None)
         text = ""
         if self.tokenizer is not None and r.output_ids:

@@ -39,18 +39,20 @@ class ServerProcess:
     """One `streamrl serve` child process on a free port."""
 
     def __init__(self, model_dir: str, *, device: str, dtype: str, max_running_requests: int,
-                 threads: int, weight_version: str, log_path: Path) -> None:
+                 threads: int, weight_version: str, log_path: Path, cpu_kernel: bool = True) -> None:
+        self.threads = threads
         self.cmd = [
             sys.executable, "-m", "streamrl.engine.http.server", "--model", model_dir, "--port", "0",
             "--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests),
             "--num-threads", str(threads), "--weight-version", weight_version,
+            *([] if cpu_kernel else ["--no-cpu-kernel"]),
         ]
         self.log_path = log_path
         self.proc: asyncio.subprocess.Process | None = None
         self.url: str | None = None
 
     async def start(self, timeout: float = 120.0) -> str:
-        env = {**os.environ, "OMP_NUM_THREADS": self.cmd[-3], "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "TOKENIZERS_PARALLELISM": "false"}
         self.proc = await asyncio.create_subprocess_exec(
             *self.cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True,  # its own process group, so stop() reaches everything it starts

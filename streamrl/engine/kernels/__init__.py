@@ -1,0 +1,60 @@
+"""CPU kernels the embedded engine compiles on first use (C++ through torch's extension loader).
+
+`decode_attention()` returns the compiled decode-attention op, or None where it cannot be built (no
+C++ compiler, not Linux/macOS, `STREAMRL_CPU_KERNELS=0`); the engine then uses PyTorch's SDPA, which
+gives the same numbers more slowly. The build takes ~30 s once per machine and is cached under
+torch's extension folder (`TORCH_EXTENSIONS_DIR`); `scripts/setup.sh` builds it ahead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+
+
+def _cpu_signature() -> str:
+    """The build uses -march=native, so a cached build belongs to one CPU model and flag set."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name", "Features")):
+                flags += line
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+@functools.cache
+def decode_attention() -> Any | None:
+    if os.environ.get("STREAMRL_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+
+        try:  # the `ninja` wheel puts its binary in the venv, which is not always on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        src = _SOURCE.read_bytes()
+        tag = hashlib.sha1(src + _cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:12]
+        mod = cpp_extension.load(
+            name=f"streamrl_decode_attention_{tag}", sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False,
+        )
+        return mod.decode_attention
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
+        log.warning("streamrl: CPU decode-attention kernel unavailable (%s); using PyTorch SDPA",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
