@@ -4,6 +4,8 @@ The runner computes; it decides nothing. The scheduler tells it which rows to pr
 decode. Running requests occupy KV rows 0..B-1 *contiguously* (the engine compacts rows when a request
 leaves), so a decode step attends over a view ``cache[:B, :, :L]`` with no gather, where L is the
 longest live context in the batch rather than the model's maximum: the cost follows the real lengths.
+On CPU in float32, decode attention is the compiled kernel of `kernels/` (keys cached transposed; each
+row reads exactly its keys); elsewhere SDPA with `split_span`.
 
 For Llama-family decoders (Llama, Qwen2, Qwen3, Mistral: `model.model.layers[i].self_attn.{q,k,v,o}_proj`)
 the runner walks the Hugging Face modules itself and only replaces attention + cache, so norms, MLPs,
