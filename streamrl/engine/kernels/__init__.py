@@ -3,7 +3,8 @@
 `decode_attention()` returns the compiled decode-attention op, or None where it cannot be built (no
 C++ compiler, not Linux/macOS, `STREAMRL_CPU_KERNELS=0`); the engine then uses PyTorch's SDPA, which
 gives the same numbers more slowly. The build takes ~30 s once per machine and is cached under
-torch's extension folder (`TORCH_EXTENSIONS_DIR`); `scripts/setup.sh` builds it ahead.
+torch's extension folder (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), one
+subfolder per source, CPU and torch version; `scripts/setup.sh` builds it ahead.
 """
 
 from __future__ import annotations
@@ -13,12 +14,31 @@ import hashlib
 import logging
 import os
 import platform
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_attention.cpp")
+# torch's loader serialises builds with a lock file and waits for it forever; a build killed midway
+# (Ctrl-C during the first run) would leave it behind. A build takes ~30 s, so an older lock is stale.
+_STALE_LOCK_S = 600.0
+
+
+def _build_dir(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    out = Path(root) / name
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            log.warning("streamrl: removing a stale build lock %s (a build was interrupted)", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+    return out
 
 
 def _cpu_signature() -> str:
@@ -48,9 +68,12 @@ def decode_attention() -> Any | None:
         except ImportError:
             pass
         src = _SOURCE.read_bytes()
-        tag = hashlib.sha1(src + _cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:12]
+        # A cached build belongs to one source, CPU, torch and Python (the module's ABI).
+        key = src + f"{_cpu_signature()}|{torch.__version__}|{sys.version_info[:2]}".encode()
+        tag = hashlib.sha1(key).hexdigest()[:12]
+        name = f"streamrl_decode_attention_{tag}"
         mod = cpp_extension.load(
-            name=f"streamrl_decode_attention_{tag}", sources=[str(_SOURCE)],
+            name=name, sources=[str(_SOURCE)], build_directory=str(_build_dir(name)),
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False,
         )
         return mod.decode_attention
