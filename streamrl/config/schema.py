@@ -1,0 +1,177 @@
+"""The run configuration's schema: one msgspec Struct per section, every field with a default, a type,
+its constraints and a one-line doc in `Meta(description=...)`, which `describe_config()` lists."""
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+KNOWN_TASKS = ("addition",)  # built-in tasks (streamrl.tasks); kept here so config never imports them
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class ConfigError(ValueError):
+    """A bad configuration; `str(err)` is one line: `config error: <key>: <problem>`."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key, self.problem = key, problem
+        super().__init__(f"config error: {key}: {problem}".replace("\n", " "))
+
+
+def _d(doc: str, **constraints: Any) -> Meta:
+    return Meta(description=doc, **constraints)
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["float32", "bfloat16", "float16"]
+Pool = Literal["local", "ray_serve", "http"]
+Loss = Literal["grpo", "decoupled_ppo", "tis"]
+PosIntOrNone = Annotated[int, Meta(ge=1)] | None
+PosFloatOrNone = Annotated[float, Meta(gt=0)] | None
+
+
+def _sec(cls: type) -> Any:
+    return msgspec.field(default_factory=cls)
+
+
+class ModelConfig(_Section):
+    path: Annotated[str, _d("HF model folder: config.json, weights, tokenizer", min_length=1)] = (
+        ".cache/streamrl/tiny-model"
+    )
+    init: Annotated[Literal["none", "tiny"], _d("tiny: build a tiny model at path if missing")] = "tiny"
+    init_seed: Annotated[int, _d("seed for building the tiny model", ge=0)] = 0
+    dtype: Annotated[DType, _d("parameter dtype for engines and trainer")] = "float32"
+    device: Annotated[Device, _d("device of the embedded engines; auto = cuda if available")] = "auto"
+
+
+class WarmStartConfig(_Section):
+    enabled: Annotated[bool, _d("supervised warm start on noisy task labels before RL")] = False
+    steps: Annotated[int, _d("warm-start optimizer steps", ge=1)] = 1000
+    batch_size: Annotated[int, _d("warm-start examples per step", ge=1)] = 128
+    lr: Annotated[float, _d("warm-start learning rate", gt=0)] = 1e-3
+    label_noise: Annotated[float, _d("fraction of warm-start labels made wrong", ge=0, le=1)] = 0.5
+    cache_dir: Annotated[str, _d("cache of warm-started weights, keyed by settings")] = ".cache/streamrl"
+
+
+class DataConfig(_Section):
+    task: Annotated[str | None, _d("built-in task name (exactly one of task / path)")] = "addition"
+    path: Annotated[str | None, _d("JSONL / Parquet prompts file (exactly one of task / path)")] = None
+    prompt_key: Annotated[str, _d("record field holding the prompt", min_length=1)] = "prompt"
+    answer_key: Annotated[str, _d("record field holding the reference answer", min_length=1)] = "answer"
+    reward: Annotated[str | None, _d("reward function 'module:function'; null = the task's own")] = None
+    eval_size: Annotated[int, _d("held-out prompts for evaluation", ge=0)] = 200
+
+
+class EnginesConfig(_Section):
+    pool: Annotated[Pool, _d("where engines run: in-process, Ray Serve replicas, HTTP servers")] = "local"
+    num_replicas: Annotated[int, _d("engine replicas (local / ray_serve / launched http servers)", ge=1)] = 1
+    max_running_requests: Annotated[int, _d("concurrent requests per replica", ge=1)] = 64
+    max_total_tokens: Annotated[PosIntOrNone, _d("KV-cache tokens per replica; null = engine decides")] = None
+    urls: Annotated[list[str], _d(
+        "server URLs for pool=http; empty = launch num_replicas servers (`streamrl serve`, or vLLM)"
+    )] = (
+        msgspec.field(default_factory=list)
+    )
+    router: Annotated[str | None, _d("sglang-router URL, or 'launch' to start one; null = route in-process")] = None
+    backend: Annotated[Literal["sglang", "vllm"], _d(
+        "pool=http server API: SGLang's native API (streamrl serve, SGLang) or a real vLLM server"
+    )] = "sglang"
+    vllm_python: Annotated[str | None, _d(
+        "backend=vllm: Python of vLLM's environment; null = $STREAMRL_VLLM_PYTHON or .venv-vllm/bin/python"
+    )] = None
+    vllm_kv_cache_gib: Annotated[float, _d("backend=vllm: KV cache per launched server, GiB", gt=0)] = 1.0
+    start_timeout_s: Annotated[float, _d("pool=http: seconds a launched server may take to become healthy", gt=0)] = (
+        600.0
+    )
+    engine: Annotated[Literal["torch", "sglang"], _d(
+        "engine inside each ray_serve replica: the embedded TorchEngine, or sglang.Engine (GPU build; unverified)"
+    )] = "torch"
+    cpus_per_replica: Annotated[float, _d("CPUs reserved per Ray replica", ge=0)] = 1.0
+    gpus_per_replica: Annotated[float, _d("GPUs reserved per Ray replica; fractions share a GPU", ge=0)] = 0.0
+    stream_interval: Annotated[int, _d(
+        "ray_serve: tokens per streamed chunk (a lost replica costs at most this many per request)", ge=1
+    )] = 8
+    ray_address: Annotated[str | None, _d("ray_serve: address of a running Ray cluster; null = start one here")] = (
+        None
+    )
+    threads: Annotated[int, _d("torch CPU threads per embedded engine", ge=1)] = 1
+    cpu_kernel: Annotated[bool, _d(
+        "embedded engine on CPU, float32: compiled C++ decode attention (built on first use, cached); "
+        "false = PyTorch SDPA, same numbers, slower"
+    )] = True
+    weight_sync: Annotated[Literal["disk", "distributed"], _d("pool=http: safetensors folder or gloo broadcast")] = (
+        "disk"
+    )
+
+
+class RolloutConfig(_Section):
+    group_size: Annotated[int, _d("samples per prompt (GRPO group)", ge=1)] = 8
+    max_new_tokens: Annotated[int, _d("response token budget per sample", ge=1)] = 8
+    temperature: Annotated[float, _d("sampling temperature; 0 = greedy", ge=0)] = 1.0
+    top_p: Annotated[float, _d("nucleus sampling mass", gt=0, le=1)] = 1.0
+    top_k: Annotated[int, _d("top-k sampling; -1 = off", ge=-1)] = -1
+    partial: Annotated[Literal["resume", "discard"], _d("samples interrupted by a weight sync")] = "resume"
+    max_concurrent_groups: Annotated[PosIntOrNone, _d("groups in flight; null = controller decides")] = None
+
+
+class ControllerConfig(_Section):
+    max_staleness: Annotated[int, _d("max versions a token may lag the trainer; 0 = on-policy", ge=0)] = 0
+    max_offpolicy_fraction: Annotated[float, _d("max off-policy share of a batch", ge=0, le=1)] = 1.0
+    stale_policy: Annotated[Literal["drop", "keep"], _d("groups beyond max_staleness")] = "drop"
+
+
+class BufferConfig(_Section):
+    priority: Annotated[Literal["oldest_version", "fifo"], _d("pop order of queued groups")] = (
+        "oldest_version"
+    )
+    capacity: Annotated[PosIntOrNone, _d("max queued groups (back-pressure); null = unbounded")] = None
+
+
+class TrainerConfig(_Section):
+    steps: Annotated[int, _d("optimizer steps", ge=1)] = 100
+    batch_groups: Annotated[int, _d("prompts (groups) per step", ge=1)] = 8
+    lr: Annotated[float, _d("learning rate", gt=0)] = 3e-5
+    weight_decay: Annotated[float, _d("AdamW weight decay", ge=0)] = 0.0
+    grad_clip: Annotated[float, _d("max gradient norm; 0 = off", ge=0)] = 1.0
+    loss: Annotated[Loss, _d("policy loss")] = "grpo"
+    clip_eps: Annotated[float, _d("PPO ratio clip epsilon", ge=0)] = 0.2
+    clip_eps_high: Annotated[PosFloatOrNone, _d("upper clip epsilon (clip-higher); null = clip_eps")] = None
+    kl_coef: Annotated[float, _d("KL penalty to the initial policy; 0 = off", ge=0)] = 0.0
+    behav_imp_weight_cap: Annotated[PosFloatOrNone, _d("decoupled PPO behaviour-weight cap; null = none")] = (
+        None
+    )
+    tis_cap: Annotated[float, _d("truncated importance sampling cap", gt=0)] = 2.0
+    device: Annotated[Device, _d("trainer device; auto = cuda if available")] = "auto"
+    eval_every: Annotated[int, _d("evaluate every N steps; 0 = never", ge=0)] = 0
+    save_every: Annotated[int, _d("checkpoint every N steps; 0 = only at the end", ge=0)] = 0
+    threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
+    micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
+    micro_batch_padding: Annotated[float, _d(
+        "padding allowed per micro-batch, as a fraction of its real tokens (samples bucketed by length)", ge=0
+    )] = 0.25
+    own_process: Annotated[bool, _d(
+        "CPU trainer in its own process, away from the rollout manager's event loop (GIL)"
+    )] = True
+    skip_zero_advantage: Annotated[bool, _d(
+        "skip forward/backward of samples with advantage 0 (the same update, less compute; off with kl_coef)"
+    )] = True
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    run_dir: Annotated[str, _d("output folder: metrics, checkpoints, plots", min_length=1)] = (
+        "runs/quickstart"
+    )
+    seed: Annotated[int, _d("global random seed", ge=0)] = 0
+    save_samples: Annotated[bool, _d("write every trained group to run_dir/samples.jsonl")] = False
+    model: Annotated[ModelConfig, _d("policy model")] = _sec(ModelConfig)
+    warm_start: Annotated[WarmStartConfig, _d("optional supervised warm start")] = _sec(WarmStartConfig)
+    data: Annotated[DataConfig, _d("prompts and rewards")] = _sec(DataConfig)
+    engines: Annotated[EnginesConfig, _d("generation engines and their pool")] = _sec(EnginesConfig)
+    rollout: Annotated[RolloutConfig, _d("sampling and rollout scheduling")] = _sec(RolloutConfig)
+    controller: Annotated[ControllerConfig, _d("off-policy ratio controller")] = _sec(ControllerConfig)
+    buffer: Annotated[BufferConfig, _d("rollout buffer between manager and trainer")] = _sec(BufferConfig)
+    trainer: Annotated[TrainerConfig, _d("optimizer and loss")] = _sec(TrainerConfig)

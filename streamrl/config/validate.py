@@ -1,0 +1,70 @@
+"""Cross-field rules that no single field can check."""
+
+import difflib
+import re
+from pathlib import Path
+
+from .schema import DATA_SUFFIXES, KNOWN_TASKS, Config, ConfigError
+
+_REWARD_RE = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_][\w.]*$")  # module:fn or file.py:fn
+_URL_RE = re.compile(r"^https?://[^\s/]+")
+
+
+def validate(cfg: Config, *, check_paths: bool = True) -> None:
+    """Cross-field rules that no single field can check; raises the first ConfigError found."""
+    m, d, e = cfg.model, cfg.data, cfg.engines
+    if check_paths:
+        mp = Path(m.path)
+        if mp.exists() and not mp.is_dir():
+            raise ConfigError("model.path", f"'{m.path}' is not a folder")
+        if not mp.exists() and m.init != "tiny":
+            raise ConfigError(
+                "model.path", f"folder '{m.path}' does not exist (or set model.init=tiny to build one)"
+            )
+    if d.task is not None and d.path is not None:
+        raise ConfigError(
+            "data.path", "data.task and data.path are both set; set exactly one (e.g. data.task=null)"
+        )
+    if d.task is None and d.path is None:
+        raise ConfigError("data.task", "neither data.task nor data.path is set; set exactly one")
+    if d.task is not None and d.task not in KNOWN_TASKS:
+        close = difflib.get_close_matches(d.task, KNOWN_TASKS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(KNOWN_TASKS)})"
+        raise ConfigError("data.task", f"unknown task '{d.task}'{hint}")
+    if d.path is not None:
+        if not d.path.endswith(DATA_SUFFIXES):
+            raise ConfigError("data.path", f"expected a {', '.join(DATA_SUFFIXES)} file, got '{d.path}'")
+        if check_paths and not Path(d.path).is_file():
+            raise ConfigError("data.path", f"file '{d.path}' does not exist")
+    if d.reward is not None and not _REWARD_RE.match(d.reward):
+        raise ConfigError("data.reward", f"expected 'module:function' or 'file.py:function', got '{d.reward}'")
+    if e.max_total_tokens is not None and e.max_total_tokens < cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            "engines.max_total_tokens",
+            f"must be >= rollout.max_new_tokens ({cfg.rollout.max_new_tokens}), got {e.max_total_tokens}",
+        )
+    if e.pool == "http" and e.router and e.router != "launch" and not e.urls:
+        raise ConfigError("engines.urls", "a router needs the worker URLs too (control calls go to every worker)")
+    for i, url in enumerate(e.urls):
+        if not _URL_RE.match(url):
+            raise ConfigError(f"engines.urls[{i}]", f"expected an http:// or https:// URL, got '{url}'")
+    if e.backend == "vllm":
+        if e.pool != "http":
+            raise ConfigError("engines.backend", f"vllm servers need engines.pool: http, got pool '{e.pool}'")
+        if e.router is not None:
+            raise ConfigError("engines.router", "sglang-router does not front vLLM servers; set engines.router=null")
+        if e.weight_sync != "disk":
+            raise ConfigError("engines.weight_sync", "vLLM servers on CPU reload weights from disk only; use disk")
+        if 0 < cfg.rollout.temperature < 0.01:
+            raise ConfigError("rollout.temperature", "vLLM samples at >= 0.01 (it raises smaller values); "
+                                                     f"use 0 (greedy) or >= 0.01, got {cfg.rollout.temperature}")
+    if e.engine == "sglang" and e.pool != "ray_serve":
+        raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
+    if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):
+        raise ConfigError("engines.router", f"expected an http:// or https:// URL or 'launch', got '{e.router}'")
+    cap = cfg.buffer.capacity
+    if cap is not None and cap < cfg.trainer.batch_groups:
+        raise ConfigError(
+            "buffer.capacity",
+            f"must be >= trainer.batch_groups ({cfg.trainer.batch_groups}) or no batch can fill, got {cap}",
+        )
