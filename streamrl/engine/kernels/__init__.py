@@ -4,7 +4,7 @@
 C++ compiler, not Linux/macOS, `STREAMRL_CPU_KERNELS=0`); the engine then uses PyTorch's SDPA, which
 gives the same numbers more slowly. The build takes ~30 s once per machine and is cached under
 torch's extension folder (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), one
-subfolder per source, CPU and torch version; `scripts/setup.sh` builds it ahead.
+subfolder per source, CPU, torch and Python version; `scripts/setup.sh` builds it ahead.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_attention.cpp")
 # torch's loader serialises builds with a lock file and waits for it forever; a build killed midway
-# (Ctrl-C during the first run) would leave it behind. A build takes ~30 s, so an older lock is stale.
+# (Ctrl-C during the first run) would leave it behind. A build takes ~30 s: a lock 10 minutes old is stale.
 _STALE_LOCK_S = 600.0
 
 
 def _build_dir(name: str) -> Path:
+    """The build folder of extension `name`, created, with a stale lock removed."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     out = Path(root) / name
     out.mkdir(parents=True, exist_ok=True)
