@@ -275,6 +275,21 @@ async def test_release_and_resume_memory(engine_model_dir: Path) -> None:
     assert r["output_ids"] == ref["output_ids"]
 
 
+async def test_cancelled_generate_frees_its_slot(engine_model_dir: Path) -> None:
+    """A caller that stops waiting (an HTTP client that hung up) must not leave its request decoding."""
+    async with engine(engine_model_dir) as eng:
+        task = asyncio.ensure_future(eng.generate(PROMPTS[0], {"max_new_tokens": 40, **GREEDY}, rid="gone"))
+        while eng.stats()["running"] == 0:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0
+        assert not await eng.abort("gone")  # already gone
+        r = await eng.generate(PROMPTS[1], {"max_new_tokens": 3, **GREEDY})  # and the engine still serves
+        assert r["meta_info"]["completion_tokens"] == 3
+
+
 async def test_running_and_token_limits_queue_requests(engine_model_dir: Path) -> None:
     async with engine(engine_model_dir, max_running_requests=2, max_total_tokens=40) as eng:
         peak = 0

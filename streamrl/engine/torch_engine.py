@@ -198,7 +198,12 @@ class TorchEngine:
         req = self._make_request(input_ids, sampling_params, rid)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._submit(req, fut)
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not req.finished:  # the caller went away: free the slot, as generate_stream does
+                await self.abort(req.rid)
+            raise
 
     async def generate_stream(
         self, input_ids: list[int], sampling_params: SamplingParams | dict | None = None, rid: str | None = None

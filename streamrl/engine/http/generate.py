@@ -148,7 +148,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     st = state_of(request)
     req = parse_generate(await read_json(request))
     items, single = generate_items(st, req)
-    streams = Streams(st, items)
+    streams = Streams(st, items, stream=bool(req.stream))
     await streams.start()
     try:
         if not req.stream:

@@ -123,7 +123,7 @@ async def _respond(
     delta: Callable[[int, GenItem, str, list[int], list[float], bool], dict[str, Any]],
 ) -> web.StreamResponse:
     """Run `items`; answer with one JSON body, or with SSE chunks built by `delta` (`[DONE]` last)."""
-    streams = Streams(st, items)
+    streams = Streams(st, items, stream=bool(req.stream))
     await streams.start()
     head = {"id": items[0].rid, "object": obj, "created": int(time.time()), "model": req.model or st.model_name}
     try:
