@@ -99,6 +99,29 @@ async def test_async_run_resumes_partials_across_versions(tmp_path: Path, tiny_m
     assert any(len(set(s.versions)) > 1 for g in read_groups(run_dir) for s in g.samples)
 
 
+async def test_async_run_over_http_resumes_group_batches(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The same through a `streamrl serve` process, where a group travels as one batched request: the
+    pause returns every member's partial output, and only the interrupted members go again."""
+    cfg = config_from_dict(small_cfg(
+        tmp_path, tiny_model_dir, controller={"max_staleness": 2},
+        rollout={"group_size": 4, "max_new_tokens": 40}, trainer={"steps": 6, "batch_groups": 2},
+        engines={"pool": "http", "max_running_requests": 4},
+    ))
+    await run(cfg, show_progress=False, log=lambda *_: None)
+    run_dir = Path(cfg.run_dir)
+    rows = read_metrics(run_dir)
+    assert sum(r["partial_resumed"] for r in rows) > 0 and sum(r["tokens_discarded"] for r in rows) == 0
+    assert max(r["staleness_max"] for r in rows) <= 2
+    groups = read_groups(run_dir)
+    assert len(groups) == 12 and all(len(g.samples) == 4 for g in groups)
+    for g in groups:
+        assert sorted(s.index for s in g.samples) == [0, 1, 2, 3]
+        for s in g.samples:
+            assert len(s.response_ids) == len(s.logprobs) == len(s.versions) and s.versions == sorted(s.versions)
+            assert s.finish_reason in ("stop", "length")
+    assert any(len(set(s.versions)) > 1 for g in groups for s in g.samples)
+
+
 async def test_discard_mode_counts_discarded_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},

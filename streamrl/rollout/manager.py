@@ -133,7 +133,7 @@ class RolloutManager:
         ]
         t0 = time.monotonic()
         try:
-            await asyncio.gather(*[self._generate(s) for s in samples])
+            await self._generate(samples)
             await asyncio.gather(*[self._score(s) for s in samples])
         except asyncio.CancelledError:
             await self.controller.release(version, returned=True)
@@ -150,35 +150,47 @@ class RolloutManager:
         await self.buffer.put(group)
         await self.controller.release(version)
 
-    async def _generate(self, s: Sample) -> None:
+    async def _generate(self, samples: list[Sample]) -> None:
+        """Generate a group's samples to the end: one `generate_many` call per round (a single HTTP
+        request where the server takes batches). A weight update ends a round early; interrupted
+        samples keep their partial tokens (or drop them, `partial="discard"`), wait in the buffer's
+        partial area for the pool to resume, and go again with the remaining budget."""
         st = self.settings
-        while True:
-            remaining = st.max_new_tokens - s.num_tokens
-            params = {
-                "max_new_tokens": remaining, "temperature": st.temperature, "top_p": st.top_p,
-                "top_k": st.top_k, "sampling_seed": next(self._seed_counter),
-            }
-            rid = f"{s.group_id}-{s.index}-{s.num_resumes}"
-            res = await self.pool.generate(s.prompt_ids + s.response_ids, params, rid)
-            self._append(s, res)
-            finish = res["meta_info"]["finish_reason"]
-            if finish["type"] != "abort":
-                s.finish_reason = finish["type"]
-                s.status = "completed" if finish["type"] == "stop" else "truncated"
+        pending = samples
+        while pending:
+            params = [{
+                "max_new_tokens": st.max_new_tokens - s.num_tokens, "temperature": st.temperature,
+                "top_p": st.top_p, "top_k": st.top_k, "sampling_seed": next(self._seed_counter),
+            } for s in pending]
+            rids = [f"{s.group_id}-{s.index}-{s.num_resumes}" for s in pending]
+            results = await self.pool.generate_many([s.prompt_ids + s.response_ids for s in pending], params, rids)
+            interrupted = []
+            for s, res in zip(pending, results, strict=True):
+                self._append(s, res)
+                finish = res["meta_info"]["finish_reason"]
+                if finish["type"] != "abort":
+                    s.finish_reason = finish["type"]
+                    s.status = "completed" if finish["type"] == "stop" else "truncated"
+                    continue
+                # Interrupted (weight update or a lost replica): keep or drop what we have, then resume.
+                s.status = "partial"
+                if st.partial == "discard" and s.num_tokens:
+                    self.counters.tokens_discarded += s.num_tokens
+                    s.response_ids, s.logprobs, s.versions, s.loss_mask = [], [], [], []
+                self.buffer.park_partial(s)
+                interrupted.append(s)
+            if not interrupted:
                 return
-            # Interrupted (weight update or a lost replica): keep or drop what we have, then resume.
-            s.status = "partial"
-            if st.partial == "discard" and s.num_tokens:
-                self.counters.tokens_discarded += s.num_tokens
-                s.response_ids, s.logprobs, s.versions, s.loss_mask = [], [], [], []
-            self.buffer.park_partial(s)
             await self.pool.wait_resumed()
-            self.buffer.unpark_partial(s)
-            s.num_resumes += 1
-            self.counters.partial_resumed += 1
-            if s.num_tokens >= st.max_new_tokens:
-                s.status, s.finish_reason = "truncated", "length"
-                return
+            pending = []
+            for s in interrupted:
+                self.buffer.unpark_partial(s)
+                s.num_resumes += 1
+                self.counters.partial_resumed += 1
+                if s.num_tokens >= st.max_new_tokens:
+                    s.status, s.finish_reason = "truncated", "length"
+                else:
+                    pending.append(s)
 
     def _append(self, s: Sample, res: dict[str, Any]) -> None:
         meta = res["meta_info"]

@@ -1,7 +1,8 @@
 """EnginePool: the rollout manager's one handle on every engine replica.
 
 Generation requests are routed to one replica (least in-flight first, so replicas pull work as they
-have capacity and the data is never pre-split); control calls (pause, resume, abort_all, weight
+have capacity and the data is never pre-split); `generate_many` sends a group's requests together
+(one HTTP call where the server takes batches); control calls (pause, resume, abort_all, weight
 updates) reach *every* replica. The pool also owns the "paused for a weight update" state that the
 manager waits on before resubmitting interrupted samples.
 
@@ -24,6 +25,8 @@ class EnginePool(Protocol):
     async def start(self) -> None: ...
     async def aclose(self) -> None: ...
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]: ...
+    async def generate_many(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
+                            rids: list[str]) -> list[dict[str, Any]]: ...
     async def abort_all(self) -> None: ...
     async def pause(self, mode: str = "abort") -> None: ...
     async def resume(self) -> None: ...
@@ -31,6 +34,14 @@ class EnginePool(Protocol):
     async def update_weights(self, named_tensors: Any, version: int) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     async def refresh_stats(self) -> None: ...
+
+
+async def generate_each(pool: EnginePool, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
+                        rids: list[str]) -> list[dict[str, Any]]:
+    """`generate_many` as one `generate` per request, concurrently (pools without a batched call)."""
+    return list(await asyncio.gather(*[
+        pool.generate(i, p, r) for i, p, r in zip(input_ids, sampling_params, rids, strict=True)
+    ]))
 
 
 class PauseGate(ABC):
@@ -93,6 +104,10 @@ class LocalPool(PauseGate):
             return await self.engines[i].generate(input_ids, sampling_params, rid)
         finally:
             self._inflight[i] -= 1
+
+    async def generate_many(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
+                            rids: list[str]) -> list[dict[str, Any]]:
+        return await generate_each(self, input_ids, sampling_params, rids)
 
     async def abort_all(self) -> None:
         await asyncio.gather(*[e.abort_all() for e in self.engines])
