@@ -45,27 +45,35 @@ def test_matches_plain_attention(kernel, heads: int, kv_heads: int, dim: int) ->
     kt = torch.randn(rows, kv_heads, dim, max_len, generator=g)
     v = torch.randn(rows, kv_heads, max_len, dim, generator=g)
     q = torch.randn(b, heads, dim, generator=g) * 3  # peaked softmax: max-subtraction matters
-    lens = torch.tensor([1, 70, 2, 33, 69, 5, 17])
-    got = kernel(q, kt, v, lens, dim**-0.5)
+    lens = torch.tensor([1, 70, 2, 33, 69, 5, 17])  # block edges (16, 32, 64) and a partial last block
+    kb = kernels.block_keys(kt.transpose(-1, -2)).contiguous()
+    assert kb.shape == (rows, kv_heads, 5, dim, kernels.BLOCK)
+    got = kernel(q, kb, v, lens, dim**-0.5)
     assert got.shape == (b, heads, dim) and got.dtype == torch.float32
     assert (got.double() - reference(q, kt, v, lens, dim**-0.5)).abs().max() <= 1e-5
-    # Rows b.. of the cache and positions past each row's length are never read.
+    # Rows b.. of the cache and positions past each row's length play no part.
     kt[b:], v[b:] = float("nan"), float("nan")
     for r, n in enumerate(lens.tolist()):
         kt[r, :, :, n:], v[r, :, n:] = float("nan"), float("nan")
-    assert torch.equal(kernel(q, kt, v, lens, dim**-0.5), got)
+    kb = kernels.block_keys(kt.transpose(-1, -2)).contiguous()
+    assert torch.equal(kernel(q, kb, v, lens, dim**-0.5), got)
 
 
 def test_rejects_bad_input(kernel) -> None:
-    q, kt, v = torch.randn(2, 4, 8), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 16, 8)
+    q, kb, v = torch.randn(2, 4, 8), torch.randn(2, 4, 1, 8, 16), torch.randn(2, 4, 16, 8)
     for lens, msg in [(torch.tensor([0, 3]), "lens out of range"), (torch.tensor([3, 17]), "lens out of range"),
                       (torch.tensor([3.0, 3.0]), "int64")]:
         with pytest.raises(RuntimeError, match=msg):
-            kernel(q, kt, v, lens, 1.0)
+            kernel(q, kb, v, lens, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
-        kernel(q.double(), kt, v, torch.tensor([3, 3]), 1.0)
-    with pytest.raises(RuntimeError, match="shape mismatch"):
-        kernel(q, kt, torch.randn(2, 4, 15, 8), torch.tensor([3, 3]), 1.0)
+        kernel(q.double(), kb, v, torch.tensor([3, 3]), 1.0)
+    ok = torch.tensor([3, 3])
+    for bad_kb, bad_v in [(kb, torch.randn(2, 4, 17, 8)),  # 17 positions do not fit one block
+                          (kb, torch.randn(2, 4, 16, 7)), (torch.randn(2, 4, 1, 8, 8), v)]:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            kernel(q, bad_kb, bad_v, ok, 1.0)
+    with pytest.raises(RuntimeError, match="bad ranks"):  # the [D, L] layout of 2026-12-01
+        kernel(q, torch.randn(2, 4, 8, 16), v, ok, 1.0)
 
 
 async def test_engine_same_tokens_and_logprobs_with_and_without_kernel(tiny_model_dir: Path) -> None:
@@ -76,7 +84,7 @@ async def test_engine_same_tokens_and_logprobs_with_and_without_kernel(tiny_mode
     results = {}
     for use in (True, False):
         async with TorchEngine(str(tiny_model_dir), device="cpu", max_running_requests=8, cpu_kernel=use) as eng:
-            assert isinstance(eng.runner, ModelRunner) and eng.runner.k_transposed is use
+            assert isinstance(eng.runner, ModelRunner) and eng.runner.k_blocked is use
             results[use] = await asyncio.gather(*[
                 eng.generate(p, {"max_new_tokens": n, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True})
                 for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
@@ -100,7 +108,7 @@ def test_unavailable_kernel_means_sdpa(tiny_model_dir: Path, monkeypatch: pytest
         monkeypatch.setenv("STREAMRL_CPU_KERNELS", "0")
         assert kernels.decode_attention() is None
         runner = ModelRunner(model, 4, 32)
-        assert runner.kernel is None and not runner.k_transposed
+        assert runner.kernel is None and not runner.k_blocked
         assert runner.k_cache[0].shape == runner.v_cache[0].shape
 
         kernels.decode_attention.cache_clear()

@@ -4,8 +4,8 @@ The runner computes; it decides nothing. The scheduler tells it which rows to pr
 decode. Running requests occupy KV rows 0..B-1 *contiguously* (the engine compacts rows when a request
 leaves), so a decode step attends over a view ``cache[:B, :, :L]`` with no gather, where L is the
 longest live context in the batch rather than the model's maximum: the cost follows the real lengths.
-On CPU in float32, decode attention is the compiled kernel of `kernels/` (keys cached transposed; each
-row reads exactly its keys); elsewhere SDPA with `split_span`.
+On CPU in float32, decode attention is the compiled kernel of `kernels/` (keys cached in blocks of 16
+positions; each row reads exactly its blocks); elsewhere SDPA with `split_span`.
 
 For Llama-family decoders (Llama, Qwen2, Qwen3, Mistral: `model.model.layers[i].self_attn.{q,k,v,o}_proj`)
 the runner walks the Hugging Face modules itself and only replaces attention + cache, so norms, MLPs,
@@ -64,11 +64,12 @@ class ModelRunner:
         self._rope = getattr(mod, "apply_rotary_pos_emb", None) or _default_rope
         self.num_rows = num_rows
         self.max_len = max_len
-        # On CPU in float32, decode attention is a compiled kernel that wants keys transposed
-        # ([rows, kv heads, head_dim, max_len]); elsewhere SDPA over [rows, kv heads, max_len, head_dim].
+        # On CPU in float32, decode attention is a compiled kernel that wants keys in blocks of 16
+        # positions ([rows, kv heads, max_len / 16, head_dim, 16]); elsewhere SDPA over
+        # [rows, kv heads, max_len, head_dim].
         use = cpu_kernel and self.device.type == "cpu" and self.dtype == torch.float32
         self.kernel = kernels.decode_attention() if use else None
-        self.k_transposed = self.kernel is not None
+        self.k_blocked = self.kernel is not None
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.allocate()
@@ -83,7 +84,8 @@ class ModelRunner:
 
     def allocate(self) -> None:
         shape = (self.num_rows, self.num_kv_heads, self.max_len, self.head_dim)
-        kshape = (*shape[:2], self.head_dim, self.max_len) if self.k_transposed else shape
+        blocks = -(-self.max_len // kernels.BLOCK)
+        kshape = (*shape[:2], blocks, self.head_dim, kernels.BLOCK) if self.k_blocked else shape
         self.k_cache = [torch.zeros(kshape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
@@ -98,8 +100,9 @@ class ModelRunner:
         lives in row `dst`."""
         n = self.max_len if length is None else length
         for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            if self.k_transposed:
-                k[dst, :, :, :n].copy_(k[src, :, :, :n])
+            if self.k_blocked:
+                nb = -(-n // kernels.BLOCK)
+                k[dst, :, :nb].copy_(k[src, :, :nb])
             else:
                 k[dst, :, :n].copy_(k[src, :, :n])
             v[dst, :, :n].copy_(v[src, :, :n])
@@ -171,8 +174,9 @@ class ModelRunner:
         row_idx = torch.tensor(rows, device=dev)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if self.k_transposed:
-                self.k_cache[i][row_idx, :, :, :lmax] = k.transpose(-1, -2)
+            if self.k_blocked:
+                kb = kernels.block_keys(k)
+                self.k_cache[i][row_idx, :, : kb.shape[2]] = kb
             else:
                 self.k_cache[i][row_idx, :, :lmax] = k
             self.v_cache[i][row_idx, :, :lmax] = v
@@ -211,13 +215,14 @@ class ModelRunner:
     def _decode_kernel(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         b = ids.shape[0]
         ar = torch.arange(b, device=ids.device)
+        blk, off = pos // kernels.BLOCK, pos % kernels.BLOCK
         keys = pos + 1  # row r attends to its ctx_lens[r] cached positions and the new one
         kernel = self.kernel
         assert kernel is not None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[ar, :, :, pos] = k[:, :, 0]
+            kc[ar, :, blk, :, off] = k[:, :, 0]
             vc[ar, :, pos] = v[:, :, 0]
             return kernel(q[:, :, 0].contiguous(), kc, vc, keys, self.scale)[:, :, None]  # [B, heads, 1, hd]
 

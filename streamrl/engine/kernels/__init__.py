@@ -22,6 +22,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+BLOCK = 16  # key positions per cache block (kBlock in the kernel)
 # torch's loader serialises builds with a lock file and waits for it forever; a build killed midway
 # (Ctrl-C during the first run) would leave it behind. A build takes ~30 s: a lock 10 minutes old is stale.
 _STALE_LOCK_S = 600.0
@@ -69,16 +71,26 @@ def decode_attention() -> Any | None:
         except ImportError:
             pass
         src = _SOURCE.read_bytes()
-        # A cached build belongs to one source, CPU, torch and Python (the module's ABI).
-        key = src + f"{_cpu_signature()}|{torch.__version__}|{sys.version_info[:2]}".encode()
+        # A cached build belongs to one source, CPU, torch, Python (the module's ABI) and flag set.
+        key = src + f"{_cpu_signature()}|{torch.__version__}|{sys.version_info[:2]}|{_CFLAGS}".encode()
         tag = hashlib.sha1(key).hexdigest()[:12]
         name = f"streamrl_decode_attention_{tag}"
         mod = cpp_extension.load(
             name=name, sources=[str(_SOURCE)], build_directory=str(_build_dir(name)),
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False,
+            extra_cflags=_CFLAGS, verbose=False,
         )
         return mod.decode_attention
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         log.warning("streamrl: CPU decode-attention kernel unavailable (%s); using PyTorch SDPA",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
+
+
+def block_keys(k: Any) -> Any:
+    """Keys [..., T, D] in the kernel's cache layout [..., ceil(T / 16), D, 16] (zero-padded)."""
+    import torch.nn.functional as F
+
+    t, d = k.shape[-2], k.shape[-1]
+    nb = -(-t // BLOCK)
+    k = F.pad(k, (0, 0, 0, nb * BLOCK - t))
+    return k.reshape(*k.shape[:-2], nb, BLOCK, d).transpose(-1, -2)
