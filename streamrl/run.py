@@ -68,8 +68,10 @@ async def next_batch(buffer: RolloutBuffer, ctl: StalenessController, size: int)
 async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
     """Interrupt generation, push the trainer's weights to every replica, resume. Returns seconds."""
     t0 = time.perf_counter()
+    weights = trainer.state_dict_for_engines()
+    await pool.stage_weights(weights, trainer.version)  # engines keep generating meanwhile
     await pool.pause("abort")  # in-flight samples come back partial and wait for resume
-    await pool.update_weights(trainer.state_dict_for_engines(), trainer.version)
+    await pool.update_weights(weights, trainer.version)
     await pool.resume()
     return time.perf_counter() - t0
 

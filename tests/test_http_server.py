@@ -216,51 +216,6 @@ async def test_client_disconnect_aborts(srv: Server) -> None:
     await srv.client.resume()
 
 
-async def test_http_pool_sends_a_group_as_one_batch(srv: Server) -> None:
-    """`HttpPool.generate_many`: one POST for the whole group, answers in order and equal to separate
-    requests; a pause with mode abort returns every member's partial output."""
-    from streamrl.rollout.http_pool import HttpPool
-
-    pool = HttpPool([srv.url])
-    await pool.start()
-    try:
-        calls: list[object] = []
-        real = pool.clients[0].generate
-
-        async def counted(input_ids, *a, **kw):
-            calls.append(input_ids)
-            return await real(input_ids, *a, **kw)
-
-        pool.clients[0].generate = counted
-        prompts = [PROMPT, PROMPT[:3], PROMPT + [8]]
-        params = [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 7 + i} for i in range(3)]
-        rids = ["g-0", "g-1", "g-2"]
-        batch = await pool.generate_many(prompts, params, rids)
-        assert len(calls) == 1 and calls[0] == prompts  # one request carried the group
-        assert [r["meta_info"]["id"] for r in batch] == rids
-        for p, sp, r in zip(prompts, params, batch, strict=True):  # seeded: the same as alone
-            alone = await pool.generate(p, sp, "alone-" + r["meta_info"]["id"])
-            assert alone["output_ids"] == r["output_ids"]
-            assert [x[0] for x in alone["meta_info"]["output_token_logprobs"]] == pytest.approx(
-                [x[0] for x in r["meta_info"]["output_token_logprobs"]], abs=1e-5)
-
-        long = [{"max_new_tokens": 50, **GREEDY}] * 3
-        task = asyncio.create_task(pool.generate_many(prompts, long, ["p-0", "p-1", "p-2"]))
-        before = srv.engine.stats()["generated_tokens"]
-        await until(lambda: srv.engine.stats()["generated_tokens"] >= before + 6)  # every member has tokens
-        await pool.pause("abort")
-        out = await task
-        assert [r["meta_info"]["finish_reason"]["type"] for r in out] == ["abort"] * 3
-        for r in out:
-            assert 0 < len(r["output_ids"]) < 50
-            assert len(r["output_ids"]) == len(r["meta_info"]["output_token_logprobs"])
-        await pool.resume()
-        assert (await pool.generate_many([PROMPT], [{"max_new_tokens": 2, **GREEDY}], ["after"]))[0][
-            "meta_info"]["completion_tokens"] == 2
-    finally:
-        await pool.aclose()
-
-
 # ---- control -------------------------------------------------------------------------------------
 async def test_info_health_and_loads(srv: Server) -> None:
     for path in ("/model_info", "/get_model_info"):
