@@ -30,7 +30,7 @@ from typing import Any
 
 from ..engine.http.client import SGLangClient
 from ..procs import EngineStartError, free_port, terminate_group
-from .pools import PauseGate, generate_each
+from .pools import PauseGate
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
 
@@ -217,7 +217,7 @@ class HttpPool(PauseGate):
         engine is the busiest process of an async CPU run). Through a router (whose batch handling is not
         verified here) or to vLLM: one request per sample."""
         if self.router_client is not None or self.backend == "vllm" or len(input_ids) < 2:
-            return await generate_each(self, input_ids, sampling_params, rids)
+            return await super().generate_many(input_ids, sampling_params, rids)
         i = min(range(len(self.clients)), key=self._inflight.__getitem__)
         self._inflight[i] += len(input_ids)
         try:

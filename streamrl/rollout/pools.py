@@ -37,22 +37,26 @@ class EnginePool(Protocol):
     async def refresh_stats(self) -> None: ...
 
 
-async def generate_each(pool: EnginePool, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
-                        rids: list[str]) -> list[dict[str, Any]]:
-    """`generate_many` as one `generate` per request, concurrently (pools without a batched call)."""
-    return list(await asyncio.gather(*[
-        pool.generate(i, p, r) for i, p, r in zip(input_ids, sampling_params, rids, strict=True)
-    ]))
-
-
 class PauseGate(ABC):
-    """The pool-wide "paused for a weight update" state: `pause` closes the gate before the engines
-    abort (so interrupted samples find it closed), `resume` opens it after every engine resumed.
-    A pool implements `_pause_all(mode)` and `_resume_all()` for its engines."""
+    """The base of the pools. It holds the pool-wide "paused for a weight update" state: `pause`
+    closes the gate before the engines abort (so interrupted samples find it closed), `resume` opens it
+    after every engine resumed. A pool implements `generate`, `_pause_all(mode)` and `_resume_all()`;
+    `generate_many` and `stage_weights` have defaults."""
 
     def __init__(self) -> None:
         self._resumed = asyncio.Event()
         self._resumed.set()
+
+    @abstractmethod
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]: ...
+
+    async def generate_many(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
+                            rids: list[str]) -> list[dict[str, Any]]:
+        """One `generate` per request, concurrently. `RayServePool` batches requests issued in one
+        event-loop turn on its own; `HttpPool` overrides this with one batched HTTP request."""
+        return list(await asyncio.gather(*[
+            self.generate(i, p, r) for i, p, r in zip(input_ids, sampling_params, rids, strict=True)
+        ]))
 
     @abstractmethod
     async def _pause_all(self, mode: str) -> None: ...
@@ -110,10 +114,6 @@ class LocalPool(PauseGate):
             return await self.engines[i].generate(input_ids, sampling_params, rid)
         finally:
             self._inflight[i] -= 1
-
-    async def generate_many(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
-                            rids: list[str]) -> list[dict[str, Any]]:
-        return await generate_each(self, input_ids, sampling_params, rids)
 
     async def abort_all(self) -> None:
         await asyncio.gather(*[e.abort_all() for e in self.engines])

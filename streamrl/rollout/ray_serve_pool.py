@@ -33,7 +33,7 @@ from typing import Any
 from ..engine import EngineError, build_result
 from ..engine.protocol import extend_version_spans, finish_reason
 from .packed_weights import pack
-from .pools import PauseGate, generate_each
+from .pools import PauseGate
 
 log = logging.getLogger(__name__)
 
@@ -308,11 +308,6 @@ class RayServePool(PauseGate):
             return await req.future
         finally:
             self._inflight -= 1
-
-    async def generate_many(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
-                            rids: list[str]) -> list[dict[str, Any]]:
-        """Issued in one event-loop turn, so `generate`'s batching sends them to a replica together."""
-        return await generate_each(self, input_ids, sampling_params, rids)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
