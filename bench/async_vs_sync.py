@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.work_dir or tmp
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         _, _, context, max_new = TAILS[args.tail]
         records = make_records(4000, args.seed, args.tail)
         data = Path(tmp) / "repeat.jsonl"

@@ -337,6 +337,33 @@ def test_prefill_in_length_buckets_equals_one_padded_batch(tiny_model_dir: Path)
         assert torch.allclose(bucketed.decode(toks, lens), padded.decode(toks, lens), atol=1e-5)
 
 
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_prefill_computes_a_repeated_prompt_once(tiny_model_dir: Path, cpu_kernel: bool) -> None:
+    """A group's samples share their prompt: the runner computes it once and copies its KV. Logits and
+    what later decode steps read must equal computing every row, and only distinct sequences run."""
+    from streamrl.engine.model_runner import ModelRunner
+
+    model = hf(tiny_model_dir)
+    a_, b_ = [1, 5, 9, 4], [1] + [4 + j % 13 for j in range(37)]
+    seqs = [a_, b_, a_, a_, [1, 7], b_, a_]
+    shared, full = ModelRunner(model, 8, 64, cpu_kernel=cpu_kernel), ModelRunner(model, 8, 64, cpu_kernel=cpu_kernel)
+    rows = [6, 0, 5, 1, 4, 2, 3]
+    computed: list[int] = []
+    inner = shared._prefill_padded
+    shared._prefill_padded = lambda r, s: (computed.extend(len(x) for x in s), inner(r, s))[1]  # type: ignore[method-assign]
+    with torch.inference_mode():
+        x = shared.prefill(rows, seqs)
+        y = full._prefill_distinct(rows, seqs)
+        assert sorted(computed) == [2, 4, 38]  # three distinct sequences, each computed once
+        assert torch.allclose(x, y, atol=1e-5)
+        by_row = sorted(range(len(seqs)), key=lambda i: rows[i])
+        toks, lens = [int(x[i].argmax()) for i in by_row], [len(seqs[i]) for i in by_row]
+        for _ in range(3):  # every row attends to its copied prompt
+            lx, ly = shared.decode(toks, lens), full.decode(toks, lens)
+            assert torch.allclose(lx, ly, atol=1e-5)
+            toks, lens = [int(t) for t in lx.argmax(-1)], [n + 1 for n in lens]
+
+
 def test_split_span_reads_less_than_padding_and_covers_every_row() -> None:
     from streamrl.engine.model_runner import split_span
 

@@ -98,14 +98,21 @@ class ModelRunner:
     def move_row(self, src: int, dst: int, length: int | None = None) -> None:
         """Compaction: the request in row `src` (with `length` cached positions, default all) now
         lives in row `dst`."""
-        n = self.max_len if length is None else length
+        self.copy_rows([src], [dst], self.max_len if length is None else length)
+
+    def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first `length` cached positions of rows `src[i]` into rows `dst[i]` (every layer)."""
+        if len(src) == 1:  # plain slices: no index tensors for the common compaction move
+            s, d = slice(src[0], src[0] + 1), slice(dst[0], dst[0] + 1)
+        else:
+            s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        nb = -(-length // kernels.BLOCK)
         for k, v in zip(self.k_cache, self.v_cache, strict=True):
             if self.k_blocked:
-                nb = -(-n // kernels.BLOCK)
-                k[dst, :, :nb].copy_(k[src, :, :nb])
+                k[d, :, :nb] = k[s, :, :nb]
             else:
-                k[dst, :, :n].copy_(k[src, :, :n])
-            v[dst, :, :n].copy_(v[src, :, :n])
+                k[d, :, :length] = k[s, :, :length]
+            v[d, :, :length] = v[s, :, :length]
 
     def _attend(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         attn = layer.self_attn
@@ -143,7 +150,23 @@ class ModelRunner:
     def prefill(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
         """Compute and store KV for whole sequences; return next-token logits [n, V].
 
-        A padded batch costs its longest sequence times its size. Sequences of mixed lengths (new
+        The samples of a GRPO group arrive together with one prompt: each distinct sequence is
+        computed once and its KV copied to the rows that repeat it (SGLang gets the same from its
+        radix cache), which cuts a group's prompt prefill by its size.
+        """
+        first: dict[tuple[int, ...], int] = {}
+        rep = [first.setdefault(tuple(s), i) for i, s in enumerate(seqs)]
+        if len(first) == len(seqs):
+            return self._prefill_distinct(rows, seqs)
+        uniq = list(first.values())
+        logits = self._prefill_distinct([rows[i] for i in uniq], [seqs[i] for i in uniq])
+        dups = [i for i in range(len(seqs)) if rep[i] != i]
+        self.copy_rows([rows[rep[i]] for i in dups], [rows[i] for i in dups], max(len(seqs[i]) for i in dups))
+        slot = {i: j for j, i in enumerate(uniq)}
+        return logits[[slot[r] for r in rep]]
+
+    def _prefill_distinct(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        """A padded batch costs its longest sequence times its size. Sequences of mixed lengths (new
         prompts beside partial samples resumed after a weight update) are therefore prefilled in
         buckets of similar length: in a mix of 10..280 tokens that halves the work.
         """
