@@ -65,15 +65,27 @@ async def next_batch(buffer: RolloutBuffer, ctl: StalenessController, size: int)
     return batch
 
 
-async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
+async def sync_weights(pool: EnginePool, trainer: Trainer, ctl: StalenessController) -> float:
     """Interrupt generation, push the trainer's weights to every replica, resume. Returns seconds."""
     t0 = time.perf_counter()
     weights = trainer.state_dict_for_engines()
     await pool.stage_weights(weights, trainer.version)  # engines keep generating meanwhile
-    await pool.pause("abort")  # in-flight samples come back partial and wait for resume
+    # In-flight samples come back partial; the manager resubmits them at once and the paused engines
+    # hold them until they resume with the new weights.
+    await pool.pause("abort")
+    # Every engine is paused, so groups admitted from here on also start with the new weights; they
+    # are prefilled together with the resubmitted partials in one step after the resume.
+    await ctl.set_version(trainer.version)
     await pool.update_weights(weights, trainer.version)
     await pool.resume()
     return time.perf_counter() - t0
+
+
+async def poll_stats(pool: EnginePool) -> tuple[float, dict[str, Any]]:
+    """The pool's stats and when they were read. A server answers between two engine steps (a large
+    prefill right after a weight update takes tens of ms), so the run loop reads them off its path."""
+    await pool.refresh_stats()
+    return time.perf_counter(), pool.stats()
 
 
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
@@ -140,6 +152,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
     summary: dict[str, Any] = {"run_dir": str(run_dir), "model_dir": model_dir, "warm_start": warm}
     metrics_file = (run_dir / "metrics.jsonl").open("w")
     samples_file = (run_dir / "samples.jsonl").open("wb") if cfg.save_samples else None
+    poll: asyncio.Task | None = None
     try:
         await pool.start()  # inside try: servers already launched are stopped if this fails
         if cfg.engines.urls:
@@ -152,12 +165,11 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
         }
         log(f"held-out accuracy before RL: greedy {summary['eval_before']['greedy']:.3f}, "
             f"sampled {summary['eval_before']['sampled']:.3f}")
-        await pool.refresh_stats()  # the held-out evaluation's engine time is not the first step's
-        ps = pool.stats()
+        t_ps, ps = await poll_stats(pool)  # the held-out evaluation's engine time is not the first step's
         producer = asyncio.create_task(manager.run(), name="rollout-manager")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        last = {"t": t0, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tokens": 0, "discarded": 0,
+        last = {"t": t0, "t_ps": t_ps, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tokens": 0, "discarded": 0,
                 "resumed": 0, "dropped": 0}
         samples_total = 0
         with RunProgress(tr.steps, enabled=show_progress) as bar:
@@ -170,12 +182,13 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                 t_train = time.perf_counter()
                 stats = await loop.run_in_executor(train_exec, trainer.train_step, groups)
                 train_s = time.perf_counter() - t_train
-                sync_s = await sync_weights(pool, trainer)
-                await ctl.set_version(trainer.version)
+                sync_s = await sync_weights(pool, trainer, ctl)
                 samples_total += stats["trained_samples"]
-                await pool.refresh_stats()
-                now, ps = time.perf_counter(), pool.stats()
-                dt = now - last["t"]
+                # The stats read at the end of the previous step (done long since): never a wait here.
+                t_ps, ps = await (poll or poll_stats(pool))
+                poll = asyncio.create_task(poll_stats(pool))
+                now = time.perf_counter()
+                dt, dt_ps = now - last["t"], t_ps - last["t_ps"]
                 c = manager.counters
                 row = {
                     "step": step, "version": trainer.version, "wall_s": round(now - t0, 4),
@@ -188,7 +201,8 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                     "partial_resumed": c.partial_resumed - last["resumed"],
                     "tokens_discarded": (c.tokens_discarded + ctl.stats.dropped_tokens) - last["discarded"],
                     "dropped_stale": ctl.stats.dropped_stale - last["dropped"],
-                    "engine_idle_frac": max(0.0, 1 - (ps["busy_s"] - last["busy"]) / (dt * pool.num_replicas)),
+                    # Over the interval between the last two stats reads: up to one step behind.
+                    "engine_idle_frac": max(0.0, 1 - (ps["busy_s"] - last["busy"]) / (dt_ps * pool.num_replicas)),
                     # Engine seconds spent in prefill: prompts, plus partials recomputed after an update.
                     "engine_prefill_s": ps.get("prefill_s", 0.0) - last["prefill"],
                     "trainer_wait_s": wait_s, "train_s": train_s, "weight_sync_s": sync_s,
@@ -201,7 +215,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                                                          ro.max_new_tokens, seed=step)
                 if ctl.stats.decisions:
                     row["controller"] = ctl.drain_decisions()[-5:]
-                last = {"t": now, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
+                last = {"t": now, "t_ps": t_ps, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
                         "tokens": c.tokens_generated,
                         "discarded": c.tokens_discarded + ctl.stats.dropped_tokens,
                         "resumed": c.partial_resumed, "dropped": ctl.stats.dropped_stale}
@@ -221,6 +235,9 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
         }
         summary["requests_lost_with_a_replica"] = pool.stats().get("lost_requests", 0)
     finally:
+        if poll is not None:
+            poll.cancel()
+            await asyncio.gather(poll, return_exceptions=True)
         metrics_file.close()
         if samples_file is not None:
             samples_file.close()

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..engine.http.client import SGLangClient
 from ..procs import EngineStartError, free_port, terminate_group
-from .pools import PauseGate
+from .pools import PoolBase
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
 
@@ -132,7 +132,7 @@ class RouterProcess:
         await terminate_group(self.proc, 10)
 
 
-class HttpPool(PauseGate):
+class HttpPool(PoolBase):
     """Generation to the router (if any) or the least-loaded worker; control calls to every worker.
 
     The router re-encodes requests and drops unknown fields, and retries a non-streaming request on

@@ -3,9 +3,9 @@
 One group = `group_size` samples of one prompt, generated concurrently through the pool. Admission is
 the controller's (staleness); routing is the pool's. When a weight update interrupts generation
 (pool paused with mode abort), every in-flight sample comes back with its partial tokens and
-logprobs; the manager parks it in the buffer's partial area (so a checkpoint includes it), waits for
-the pool to resume, and resubmits prompt + partial response with the remaining token budget. The new
-tokens carry the new weight version. With `partial="discard"` the partial tokens are thrown away and
+logprobs; the manager parks it in the buffer's partial area (so a checkpoint includes it) and
+resubmits prompt + partial response with the remaining token budget at once: the paused engines hold
+it and start it with the new weights when they resume. The new tokens carry the new weight version. With `partial="discard"` the partial tokens are thrown away and
 the sample restarts (for comparison).
 
 The manager knows nothing about torch or the trainer: it sees token ids, logprobs, versions and rewards.
@@ -153,8 +153,12 @@ class RolloutManager:
     async def _generate(self, samples: list[Sample]) -> None:
         """Generate a group's samples to the end: one `generate_many` call per round (a single HTTP
         request where the server takes batches). A weight update ends a round early; interrupted
-        samples keep their partial tokens (or drop them, `partial="discard"`), wait in the buffer's
-        partial area for the pool to resume, and go again with the remaining budget."""
+        samples keep their partial tokens (or drop them, `partial="discard"`) and go again at once
+        with the remaining budget. The engines are paused then: they hold the request and start it
+        with the new weights the moment they resume (the `EnginePool.pause` contract), so the
+        recomputation is queued before the update lands instead of a round trip after it. Until its
+        next round comes back, an interrupted sample also sits in the buffer's partial area, so a
+        checkpoint taken meanwhile includes it."""
         st = self.settings
         pending = samples
         while pending:
@@ -166,6 +170,8 @@ class RolloutManager:
             results = await self.pool.generate_many([s.prompt_ids + s.response_ids for s in pending], params, rids)
             interrupted = []
             for s, res in zip(pending, results, strict=True):
+                if s.status == "partial":
+                    self.buffer.unpark_partial(s)
                 self._append(s, res)
                 finish = res["meta_info"]["finish_reason"]
                 if finish["type"] != "abort":
@@ -174,23 +180,17 @@ class RolloutManager:
                     continue
                 # Interrupted (weight update or a lost replica): keep or drop what we have, then resume.
                 s.status = "partial"
+                s.num_resumes += 1
+                self.counters.partial_resumed += 1
                 if st.partial == "discard" and s.num_tokens:
                     self.counters.tokens_discarded += s.num_tokens
                     s.response_ids, s.logprobs, s.versions, s.loss_mask = [], [], [], []
+                if s.num_tokens >= st.max_new_tokens:  # the update came just as the budget ran out
+                    s.status, s.finish_reason = "truncated", "length"
+                    continue
                 self.buffer.park_partial(s)
                 interrupted.append(s)
-            if not interrupted:
-                return
-            await self.pool.wait_resumed()
-            pending = []
-            for s in interrupted:
-                self.buffer.unpark_partial(s)
-                s.num_resumes += 1
-                self.counters.partial_resumed += 1
-                if s.num_tokens >= st.max_new_tokens:
-                    s.status, s.finish_reason = "truncated", "length"
-                else:
-                    pending.append(s)
+            pending = interrupted
 
     def _append(self, s: Sample, res: dict[str, Any]) -> None:
         meta = res["meta_info"]

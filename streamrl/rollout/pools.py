@@ -3,8 +3,12 @@
 Generation requests are routed to one replica (least in-flight first, so replicas pull work as they
 have capacity and the data is never pre-split); `generate_many` sends a group's requests together
 (one HTTP call where the server takes batches); control calls (pause, resume, abort_all, weight
-updates) reach *every* replica. The pool also owns the "paused for a weight update" state that the
-manager waits on before resubmitting interrupted samples.
+updates) reach *every* replica.
+
+The contract the rollout manager relies on: after `pause()` returns, a request sent to the pool waits
+(in the engine, as SGLang, vLLM and TorchEngine all do while paused) until `resume()`, and then runs
+with whatever weights were loaded meanwhile. So the manager resubmits interrupted samples at once,
+and the run loop admits new groups while the engines are paused for an update.
 
 `LocalPool` keeps TorchEngines in this process (unit tests, GPU benchmarks, the CPU quickstart).
 `RayServePool` (ray_serve_pool.py) and `HttpPool` (http_pool.py) implement the same methods.
@@ -30,22 +34,19 @@ class EnginePool(Protocol):
     async def abort_all(self) -> None: ...
     async def pause(self, mode: str = "abort") -> None: ...
     async def resume(self) -> None: ...
-    async def wait_resumed(self) -> None: ...
     async def stage_weights(self, named_tensors: Any, version: int) -> None: ...
     async def update_weights(self, named_tensors: Any, version: int) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     async def refresh_stats(self) -> None: ...
 
 
-class PauseGate(ABC):
-    """The base of the pools. It holds the pool-wide "paused for a weight update" state: `pause`
-    closes the gate before the engines abort (so interrupted samples find it closed), `resume` opens it
-    after every engine resumed. A pool implements `generate`, `_pause_all(mode)` and `_resume_all()`;
-    `generate_many` and `stage_weights` have defaults."""
+class PoolBase(ABC):
+    """The base of the pools: pause / resume of every replica and the pool-wide paused state. A pool
+    implements `generate`, `_pause_all(mode)` and `_resume_all()`; `generate_many` and
+    `stage_weights` have defaults."""
 
     def __init__(self) -> None:
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        self._paused = False
 
     @abstractmethod
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]: ...
@@ -65,15 +66,12 @@ class PauseGate(ABC):
     async def _resume_all(self) -> None: ...
 
     async def pause(self, mode: str = "abort") -> None:
-        self._resumed.clear()
+        self._paused = True
         await self._pause_all(mode)
 
     async def resume(self) -> None:
         await self._resume_all()
-        self._resumed.set()
-
-    async def wait_resumed(self) -> None:
-        await self._resumed.wait()
+        self._paused = False
 
     async def stage_weights(self, named_tensors: Any, version: int) -> None:
         """Work for the next `update_weights` that can be done before the pause (HttpPool writes the
@@ -82,10 +80,10 @@ class PauseGate(ABC):
 
     @property
     def is_paused(self) -> bool:
-        return not self._resumed.is_set()
+        return self._paused
 
 
-class LocalPool(PauseGate):
+class LocalPool(PoolBase):
     """Engines in the driver process."""
 
     def __init__(self, engines: list[TorchEngine]) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 from ..engine import EngineError, build_result
 from ..engine.protocol import extend_version_spans, finish_reason
 from .packed_weights import pack
-from .pools import PauseGate
+from .pools import PoolBase
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
-class RayServePool(PauseGate):
+class RayServePool(PoolBase):
     """EnginePool over Ray Serve replicas of `EngineReplica`."""
 
     def __init__(self, model_dir: str, *, num_replicas: int, run_dir: Path, engine_kwargs: dict[str, Any],

@@ -1,0 +1,58 @@
+"""RolloutManager against a real TorchEngine (LocalPool): what happens to a group at a weight update."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from streamrl.buffer import RolloutBuffer
+from streamrl.buffer.controller import StalenessController
+from streamrl.engine import TorchEngine
+from streamrl.rollout.manager import RolloutManager, RolloutSettings
+from streamrl.rollout.pools import LocalPool
+
+
+async def test_interrupted_samples_wait_in_the_paused_engine_and_resume_with_new_weights(
+    engine_model_dir: Path,
+) -> None:
+    """Paused with mode abort, the pool hands back partial samples; the manager resubmits them at once
+    (parked in the buffer meanwhile), the paused engine holds them, and after the update they go on
+    with the new weights: old tokens keep version 0, new ones are version 1, none is lost."""
+    engine = TorchEngine(str(engine_model_dir), device="cpu", max_running_requests=8, weight_version="0")
+    pool = LocalPool([engine])
+    buffer = RolloutBuffer()
+    manager = RolloutManager(
+        pool=pool, tokenizer=AutoTokenizer.from_pretrained(engine_model_dir),
+        prompts=[{"prompt": "12+34=", "answer": "46"}], reward_fn=lambda text, answer: float(text == answer),
+        buffer=buffer, controller=StalenessController(batch_groups=1), seed=0,
+        settings=RolloutSettings(group_size=4, max_new_tokens=40),
+    )
+    await pool.start()
+    producer = asyncio.create_task(manager.run())
+    try:
+        while engine.stats()["running"] == 0:  # the inline engine yields after every step
+            await asyncio.sleep(0)
+        await pool.pause("abort")  # between two steps: every running sample is interrupted
+        tokens_at_pause = engine.stats()["generated_tokens"]
+        for _ in range(100):
+            if engine.stats()["waiting"] and engine.stats()["waiting"] == buffer.num_partials:
+                break
+            await asyncio.sleep(0.01)
+        interrupted = buffer.num_partials
+        assert interrupted >= 1 and engine.stats()["waiting"] == interrupted  # resubmitted, held while paused
+        assert engine.stats()["generated_tokens"] == tokens_at_pause  # nothing runs while paused
+        await pool.update_weights({}, 1)  # a new version (same tensors): the labels are what is checked
+        await pool.resume()
+        [group] = await asyncio.wait_for(buffer.get_batch(1), 60)
+    finally:
+        await manager.stop()
+        producer.cancel()
+        await pool.aclose()
+    resumed = [s for s in group.samples if s.num_resumes]
+    assert len(resumed) == interrupted and buffer.num_partials == 0
+    for s in resumed:
+        k = s.versions.index(1)
+        assert k >= 1 and s.versions == [0] * k + [1] * (s.num_tokens - k)
+        assert s.status in ("completed", "truncated") and len(s.logprobs) == s.num_tokens
