@@ -73,11 +73,9 @@ async def sync_weights(pool: EnginePool, trainer: Trainer, ctl: StalenessControl
     # In-flight samples come back partial; the manager resubmits them at once and the paused engines
     # hold them until they resume with the new weights.
     await pool.pause("abort")
-    # Every engine is paused, so groups admitted from here on also start with the new weights; they
-    # are prefilled together with the resubmitted partials in one step after the resume.
-    await ctl.set_version(trainer.version)
     await pool.update_weights(weights, trainer.version)
     await pool.resume()
+    await ctl.set_version(trainer.version)
     return time.perf_counter() - t0
 
 

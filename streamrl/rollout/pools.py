@@ -7,8 +7,7 @@ updates) reach *every* replica.
 
 The contract the rollout manager relies on: after `pause()` returns, a request sent to the pool waits
 (in the engine, as SGLang, vLLM and TorchEngine all do while paused) until `resume()`, and then runs
-with whatever weights were loaded meanwhile. So the manager resubmits interrupted samples at once,
-and the run loop admits new groups while the engines are paused for an update.
+with whatever weights were loaded meanwhile. So the manager resubmits interrupted samples at once.
 
 `LocalPool` keeps TorchEngines in this process (unit tests, GPU benchmarks, the CPU quickstart).
 `RayServePool` (ray_serve_pool.py) and `HttpPool` (http_pool.py) implement the same methods.
