@@ -65,7 +65,7 @@ async def next_batch(buffer: RolloutBuffer, ctl: StalenessController, size: int)
     return batch
 
 
-async def sync_weights(pool: EnginePool, trainer: Trainer, ctl: StalenessController) -> float:
+async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
     """Interrupt generation, push the trainer's weights to every replica, resume. Returns seconds."""
     t0 = time.perf_counter()
     weights = trainer.state_dict_for_engines()
@@ -75,7 +75,6 @@ async def sync_weights(pool: EnginePool, trainer: Trainer, ctl: StalenessControl
     await pool.pause("abort")
     await pool.update_weights(weights, trainer.version)
     await pool.resume()
-    await ctl.set_version(trainer.version)
     return time.perf_counter() - t0
 
 
@@ -180,7 +179,8 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                 t_train = time.perf_counter()
                 stats = await loop.run_in_executor(train_exec, trainer.train_step, groups)
                 train_s = time.perf_counter() - t_train
-                sync_s = await sync_weights(pool, trainer, ctl)
+                sync_s = await sync_weights(pool, trainer)
+                await ctl.set_version(trainer.version)
                 samples_total += stats["trained_samples"]
                 # The stats read at the end of the previous step (done long since): never a wait here.
                 t_ps, ps = await (poll or poll_stats(pool))

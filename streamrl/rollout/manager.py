@@ -5,8 +5,8 @@ the controller's (staleness); routing is the pool's. When a weight update interr
 (pool paused with mode abort), every in-flight sample comes back with its partial tokens and
 logprobs; the manager parks it in the buffer's partial area (so a checkpoint includes it) and
 resubmits prompt + partial response with the remaining token budget at once: the paused engines hold
-it and start it with the new weights when they resume. The new tokens carry the new weight version. With `partial="discard"` the partial tokens are thrown away and
-the sample restarts (for comparison).
+it and start it with the new weights when they resume. The new tokens carry the new weight version.
+With `partial="discard"` the partial tokens are thrown away and the sample restarts (for comparison).
 
 The manager knows nothing about torch or the trainer: it sees token ids, logprobs, versions and rewards.
 """
