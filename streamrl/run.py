@@ -78,6 +78,20 @@ async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
     return time.perf_counter() - t0
 
 
+def save_checkpoint(out: Path, trainer: Trainer | TrainerProcess, buffer: RolloutBuffer, step: int) -> Path:
+    """The policy as a Hugging Face folder, with the rollout state beside it: the queued groups and
+    the samples an update interrupted (parked until their next round returns), each with its tokens,
+    behaviour logprobs and per-token versions. `RolloutBuffer.load_state_dict` reads
+    `rollout_state.msgpack` back. Taken between two steps on the event loop, so it is one consistent
+    snapshot while generation goes on."""
+    trainer.save(out)
+    (out / "rollout_state.msgpack").write_bytes(buffer.state_dict())
+    (out / "state.json").write_text(json.dumps({
+        "step": step, "version": trainer.version, "queued_groups": len(buffer), "partials": buffer.num_partials,
+    }))
+    return out
+
+
 async def poll_stats(pool: EnginePool) -> tuple[float, dict[str, Any]]:
     """The pool's stats and when they were read. A server answers between two engine steps (a large
     prefill right after a weight update takes tens of ms), so the run loop reads them off its path."""
@@ -221,7 +235,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                 metrics_file.flush()
                 bar.update(step, row)
                 if tr.save_every and step % tr.save_every == 0:
-                    trainer.save(run_dir / "checkpoints" / f"step-{step}")
+                    save_checkpoint(run_dir / "checkpoints" / f"step-{step}", trainer, buffer, step)
         await manager.stop()
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)

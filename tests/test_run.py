@@ -10,6 +10,7 @@ import pytest
 from helpers import run_quickstart_cli
 from transformers import AutoModelForCausalLM
 
+from streamrl.buffer import RolloutBuffer
 from streamrl.config import config_from_dict
 from streamrl.run import run
 from streamrl.types import Group
@@ -76,15 +77,31 @@ async def test_sync_run_is_on_policy_and_writes_outputs(tmp_path: Path, tiny_mod
 
 async def test_async_run_resumes_partials_across_versions(tmp_path: Path, tiny_model_dir: Path) -> None:
     """η = 2 with long responses and few engine rows: weight updates interrupt samples, which continue
-    with the new weights."""
+    with the new weights; a checkpoint taken between steps holds the interrupted samples."""
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},
-        rollout={"group_size": 4, "max_new_tokens": 40}, trainer={"steps": 8, "batch_groups": 2},
+        rollout={"group_size": 4, "max_new_tokens": 40},
+        trainer={"steps": 8, "batch_groups": 2, "save_every": 2},
         engines={"max_running_requests": 2},
     ))
     await run(cfg, show_progress=False, log=lambda *_: None)
     run_dir = Path(cfg.run_dir)
     rows = read_metrics(run_dir)
+    parked = []
+    for step in (2, 4, 6, 8):
+        ckpt = run_dir / "checkpoints" / f"step-{step}"
+        state = json.loads((ckpt / "state.json").read_text())
+        assert state["step"] == step and state["version"] == step
+        assert AutoModelForCausalLM.from_pretrained(ckpt) is not None
+        restored = RolloutBuffer()
+        restored.load_state_dict((ckpt / "rollout_state.msgpack").read_bytes())
+        assert restored.num_partials == state["partials"] and len(restored) == state["queued_groups"]
+        for s in restored.take_partials():
+            assert s.status == "partial" and s.num_resumes >= 1
+            assert len(s.response_ids) == len(s.logprobs) == len(s.versions) and s.versions == sorted(s.versions)
+            assert all(v < step for v in s.versions)  # produced before this checkpoint's update
+            parked.append(s)
+    assert any(s.num_tokens for s in parked)  # updates landed mid-sample, and the checkpoints kept the tokens
     assert sum(r["partial_resumed"] for r in rows) > 0
     assert sum(r["tokens_discarded"] for r in rows) == 0
     assert max(r["staleness_max"] for r in rows) <= 2

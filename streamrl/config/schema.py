@@ -147,7 +147,10 @@ class TrainerConfig(_Section):
     tis_cap: Annotated[float, _d("truncated importance sampling cap", gt=0)] = 2.0
     device: Annotated[Device, _d("trainer device; auto = cuda if available")] = "auto"
     eval_every: Annotated[int, _d("evaluate every N steps; 0 = never", ge=0)] = 0
-    save_every: Annotated[int, _d("checkpoint every N steps; 0 = only at the end", ge=0)] = 0
+    save_every: Annotated[int, _d(
+        "checkpoint (policy + rollout state) every N steps to run_dir/checkpoints; 0 = none (final/ is always written)",
+        ge=0,
+    )] = 0
     threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
     micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
     micro_batch_padding: Annotated[float, _d(
