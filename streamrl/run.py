@@ -142,6 +142,9 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
         batch_groups=tr.batch_groups, max_staleness=cfg.controller.max_staleness,
         max_offpolicy_fraction=cfg.controller.max_offpolicy_fraction, stale_policy=cfg.controller.stale_policy,
         max_concurrent_groups=cfg.rollout.max_concurrent_groups,
+        # Every admitted group is trained (a dropped one gives its slot back): async runs generate
+        # the same sample budget as sync ones, not η batches more that the run never trains.
+        max_groups=tr.steps * tr.batch_groups,
     )
     # A group dropped for staleness frees an admission slot: wake the manager so a fresh group
     # replaces it even if the trainer is still waiting inside get_batch.
@@ -246,6 +249,8 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
             "sampled": await evaluate(manager, pool, task.held_out, ro.temperature, ro.max_new_tokens),
         }
         summary["requests_lost_with_a_replica"] = pool.stats().get("lost_requests", 0)
+        summary["groups_admitted"] = ctl.stats.admitted
+        summary["groups_generated"] = manager.counters.groups_done
     finally:
         if poll is not None:
             poll.cancel()

@@ -52,6 +52,22 @@ async def test_returned_slots_and_concurrency_cap() -> None:
     assert c.started - c.returned == 1
 
 
+async def test_admission_stops_at_the_runs_budget() -> None:
+    c = StalenessController(batch_groups=2, max_staleness=4, max_groups=3)
+    for _ in range(3):
+        await c.acquire()
+    assert c.capacity() == 0  # η alone would allow 10
+    await c.set_version(1)
+    assert c.capacity() == 0  # a new version does not extend the budget
+    await c.release(0, returned=True)  # a failed group is replaced
+    assert c.capacity() == 1
+    assert c.accept(group("fresh", [0], admitted=0))  # within η: no slot comes back
+    assert c.capacity() == 1
+    await c.set_version(9)
+    assert not c.accept(group("stale", [0], admitted=0))  # dropped for staleness: replaced as well
+    assert c.capacity() == 2
+
+
 def test_stale_groups_dropped_or_kept() -> None:
     drop = StalenessController(batch_groups=2, max_staleness=1, stale_policy="drop")
     drop.version = 3

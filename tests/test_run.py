@@ -84,7 +84,9 @@ async def test_async_run_resumes_partials_across_versions(tmp_path: Path, tiny_m
         trainer={"steps": 8, "batch_groups": 2, "save_every": 2},
         engines={"max_running_requests": 2},
     ))
-    await run(cfg, show_progress=False, log=lambda *_: None)
+    summary = await run(cfg, show_progress=False, log=lambda *_: None)
+    # The same budget as a sync run: no group started that the 8 steps would never train.
+    assert summary["groups_admitted"] == summary["groups_generated"] == 8 * 2
     run_dir = Path(cfg.run_dir)
     rows = read_metrics(run_dir)
     parked = []
@@ -124,7 +126,8 @@ async def test_async_run_over_http_resumes_group_batches(tmp_path: Path, tiny_mo
         rollout={"group_size": 4, "max_new_tokens": 40}, trainer={"steps": 6, "batch_groups": 2},
         engines={"pool": "http", "max_running_requests": 4},
     ))
-    await run(cfg, show_progress=False, log=lambda *_: None)
+    summary = await run(cfg, show_progress=False, log=lambda *_: None)
+    assert summary["groups_admitted"] == summary["groups_generated"] == 6 * 2
     run_dir = Path(cfg.run_dir)
     rows = read_metrics(run_dir)
     assert sum(r["partial_resumed"] for r in rows) > 0 and sum(r["tokens_discarded"] for r in rows) == 0

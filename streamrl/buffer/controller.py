@@ -4,7 +4,9 @@ Three decisions, all pure logic (no torch, no engines):
 1. *Admission* (AReaL's rule): with trainer version v, batch size B (groups) and max staleness η, a new
    group may start only while ``started_groups < (η + v + 1) * B``. Each batch the trainer consumes
    was therefore started at most η versions before it is trained on. η = 0 is synchronous RL: the
-   engines produce exactly the next batch, then wait for the new weights.
+   engines produce exactly the next batch, then wait for the new weights. With ``max_groups`` (the
+   run's budget, steps × B) no group starts that the run would never train: without it the last η
+   batches' worth of generation is thrown away when the run ends.
 2. *Acceptance* at batch time: a group whose oldest trainable token is more than η versions behind is
    `drop`ped (counted, its tokens reported as discarded) or `keep`t (trained with importance correction).
 3. *Composition*: at most ``max_offpolicy_fraction`` of a batch's groups may contain tokens from older
@@ -46,6 +48,7 @@ class StalenessController:
         max_offpolicy_fraction: float = 1.0,
         stale_policy: str = "drop",
         max_concurrent_groups: int | None = None,
+        max_groups: int | None = None,
     ) -> None:
         if stale_policy not in ("drop", "keep"):
             raise ValueError(f"stale_policy must be drop or keep, got {stale_policy!r}")
@@ -54,6 +57,7 @@ class StalenessController:
         self.max_offpolicy_fraction = max_offpolicy_fraction
         self.stale_policy = stale_policy
         self.max_concurrent_groups = max_concurrent_groups
+        self.max_groups = max_groups  # groups the trainer will ever take; None = no end
         self.version = 0
         self.started = 0  # groups ever admitted (AReaL's accepted + running)
         self.running = 0
@@ -68,6 +72,8 @@ class StalenessController:
         """How many more groups may start now."""
         limit = (self.max_staleness + self.version + 1) * self.batch_groups
         free = limit - (self.started - self.returned)
+        if self.max_groups is not None:
+            free = min(free, self.max_groups - (self.started - self.returned))
         if self.max_concurrent_groups is not None:
             free = min(free, self.max_concurrent_groups - self.running)
         return max(0, free)
