@@ -78,17 +78,18 @@ async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
     return time.perf_counter() - t0
 
 
-def save_checkpoint(out: Path, trainer: Trainer | TrainerProcess, buffer: RolloutBuffer, step: int) -> Path:
+async def save_checkpoint(out: Path, trainer: Trainer | TrainerProcess, buffer: RolloutBuffer, step: int,
+                          executor: ThreadPoolExecutor) -> Path:
     """The policy as a Hugging Face folder, with the rollout state beside it: the queued groups and
     the samples an update interrupted (parked until their next round returns), each with its tokens,
     behaviour logprobs and per-token versions. `RolloutBuffer.load_state_dict` reads
-    `rollout_state.msgpack` back. Taken between two steps on the event loop, so it is one consistent
-    snapshot while generation goes on."""
-    trainer.save(out)
-    (out / "rollout_state.msgpack").write_bytes(buffer.state_dict())
-    (out / "state.json").write_text(json.dumps({
-        "step": step, "version": trainer.version, "queued_groups": len(buffer), "partials": buffer.num_partials,
-    }))
+    `rollout_state.msgpack` back. The snapshot is taken here, on the event loop, so it is consistent;
+    the model is written from the trainer's thread (idle between steps), so generation goes on."""
+    rollout_state = buffer.state_dict()
+    meta = {"step": step, "version": trainer.version, "queued_groups": len(buffer), "partials": buffer.num_partials}
+    await asyncio.get_running_loop().run_in_executor(executor, trainer.save, out)
+    (out / "rollout_state.msgpack").write_bytes(rollout_state)
+    (out / "state.json").write_text(json.dumps(meta))
     return out
 
 
@@ -238,7 +239,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                 metrics_file.flush()
                 bar.update(step, row)
                 if tr.save_every and step % tr.save_every == 0:
-                    save_checkpoint(run_dir / "checkpoints" / f"step-{step}", trainer, buffer, step)
+                    await save_checkpoint(run_dir / "checkpoints" / f"step-{step}", trainer, buffer, step, train_exec)
         await manager.stop()
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
