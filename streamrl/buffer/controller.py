@@ -71,9 +71,9 @@ class StalenessController:
     def capacity(self) -> int:
         """How many more groups may start now."""
         limit = (self.max_staleness + self.version + 1) * self.batch_groups
-        free = limit - (self.started - self.returned)
         if self.max_groups is not None:
-            free = min(free, self.max_groups - (self.started - self.returned))
+            limit = min(limit, self.max_groups)  # the run's budget is a ceiling on the same count
+        free = limit - (self.started - self.returned)
         if self.max_concurrent_groups is not None:
             free = min(free, self.max_concurrent_groups - self.running)
         return max(0, free)
