@@ -1,4 +1,4 @@
-"""The `streamrl` command: run | serve | init-model | config | generate.
+"""The `streamrl` command: run | rollout | serve | init-model | config | generate.
 
 Configuration errors print one line (`config error: <key>: <problem>`) and exit with status 2.
 """
@@ -36,6 +36,51 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     _print_summary(summary)
     return 0
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.set or [])
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    from .procs import EngineStartError
+    from .rollout.ray_serve_pool import RayStartError
+    from .rollout_only import RolloutFailed, rollout_only
+
+    groups = args.groups if args.groups is not None else cfg.trainer.batch_groups
+    try:
+        s = _run_async(rollout_only(cfg, groups=groups, out=Path(args.out) if args.out else None,
+                                    show_progress=not args.no_progress and sys.stderr.isatty()))
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except (RayStartError, EngineStartError, RolloutFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    _print_rollout_summary(s)
+    return 0
+
+
+def _print_rollout_summary(s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"streamrl rollout: {s['groups']} groups, {s['samples']} samples in {s['wall_s']:.1f} s")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("reward (mean)", f"{s['reward_mean']:.3f}")
+    t.add_row("groups with a learning signal", f"{s['groups_with_signal']} / {s['groups']}")
+    t.add_row("response tokens: mean / p50 / p90 / max",
+              f"{s['length_mean']:.1f} / {s['length_p50']} / {s['length_p90']} / {s['length_max']}")
+    t.add_row("finish reasons", ", ".join(f"{k} {v}" for k, v in sorted(s["finish_reasons"].items())))
+    t.add_row("samples/s, tokens/s", f"{s['samples_per_s']:.1f}, {s['tokens_per_s']:.0f}")
+    if s["failed_groups"]:
+        t.add_row("failed groups (retried)", str(s["failed_groups"]))
+    Console().print(t)
+    print(f"samples: {s['out']}")
 
 
 def _run_async(coro):  # noqa: ANN001, ANN202
@@ -141,6 +186,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="streamrl", description="Asynchronous, streaming RL for LLMs.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -151,6 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. trainer.steps=50")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.set_defaults(fn=_cmd_run)
+
+    p = sub.add_parser("rollout", help="rollouts and rewards only, no trainer: samples to JSONL",
+                       description="Generate and score groups with the config's task, model and engines, "
+                                   "without training; write them as JSONL and print a summary.")
+    p.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. rollout.temperature=0.7")
+    p.add_argument("--groups", type=_positive_int, default=None,
+                   help="groups to generate (default: trainer.batch_groups, one training batch)")
+    p.add_argument("--out", default=None, help="JSONL file for the groups (default: RUN_DIR/rollouts.jsonl)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.set_defaults(fn=_cmd_rollout)
 
     p = sub.add_parser("serve", help="an SGLang-compatible HTTP server for a model (see docs/http.md)",
                        add_help=False)

@@ -47,6 +47,7 @@ class RolloutCounters:
     tokens_discarded: int = 0
     partial_resumed: int = 0
     failed: int = 0
+    last_error: str | None = None  # why the last failed group failed, for a user-facing message
 
 
 RewardFn = Callable[[str, str], Any]
@@ -138,8 +139,9 @@ class RolloutManager:
         except asyncio.CancelledError:
             await self.controller.release(version, returned=True)
             raise
-        except Exception:  # noqa: BLE001 - a failed group is counted and its slot given back
+        except Exception as e:  # noqa: BLE001 - a failed group is counted and its slot given back
             self.counters.failed += 1
+            self.counters.last_error = f"{type(e).__name__}: {e}"
             await self.controller.release(version, returned=True)
             return
         for s in samples:

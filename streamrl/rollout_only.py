@@ -1,0 +1,142 @@
+"""`streamrl rollout`: the rollout half of a run, with no trainer, to debug prompts, rewards and engines.
+
+    manager admits N groups -> pool generates -> rewards -> buffer -> samples.jsonl + a summary
+
+The same components as `streamrl run` (task, model preparation, pool, manager, buffer), built from
+the same config, so what a rollout shows is what training would see: the same prompts, sampling
+settings, reward function and engines. Nothing is trained and no weights are pushed, so every token
+carries weight version 0 (for user-run servers: whatever weights they serve).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .buffer import RolloutBuffer
+from .buffer.controller import StalenessController
+from .builders import build_pool, load_task, prepare_model, vllm_python
+from .config import Config, dump_config
+from .rollout.manager import RolloutManager, RolloutSettings
+from .types import Group, encode_jsonl
+
+
+class RolloutFailed(RuntimeError):
+    """Every group failed: nothing useful can come out of the run (an engine that rejects all requests)."""
+
+
+async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, show_progress: bool = True,
+                       log: Any = print) -> dict[str, Any]:
+    """Generate and score `groups` groups of `rollout.group_size` samples; write them as JSONL (one
+    `Group` per line, the format of `save_samples`) to `out` (default `run_dir/rollouts.jsonl`) and
+    return a summary, also written to `run_dir/rollout_summary.json`."""
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    from transformers import AutoTokenizer
+
+    task = load_task(cfg)  # first: a bad dataset or reward spec stops before any work
+    if cfg.engines.backend == "vllm" and not cfg.engines.urls:
+        vllm_python(cfg)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    out = out or run_dir / "rollouts.jsonl"
+    model_dir, _ = prepare_model(cfg, log)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pool = build_pool(cfg, model_dir)
+    bg = cfg.trainer.batch_groups
+    # The version never moves, so admission is bounded by the budget alone: a staleness bound of
+    # ceil(groups / batch_groups) versions lets all of them start (still capped by max_concurrent_groups).
+    ctl = StalenessController(batch_groups=bg, max_staleness=-(-groups // bg), max_groups=groups,
+                              max_concurrent_groups=cfg.rollout.max_concurrent_groups)
+    buffer = RolloutBuffer(priority="fifo")
+    ro = cfg.rollout
+    manager = RolloutManager(
+        pool=pool, tokenizer=tokenizer, prompts=task.train, reward_fn=task.reward_fn, buffer=buffer,
+        controller=ctl, seed=cfg.seed,
+        settings=RolloutSettings(group_size=ro.group_size, max_new_tokens=ro.max_new_tokens,
+                                 temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, partial=ro.partial),
+    )
+    done: list[Group] = []
+    try:
+        await pool.start()
+        t0 = time.perf_counter()
+        producer = asyncio.create_task(manager.run(), name="rollout-manager")
+        with out.open("wb") as f, _progress(groups, show_progress) as advance:
+            while len(done) < groups:
+                try:
+                    got = await buffer.get_batch(1, timeout=1.0)
+                except TimeoutError:
+                    # A failed group gives its slot back and is retried; give up once as many groups
+                    # have failed as were asked for, rather than retrying a broken engine forever.
+                    if manager.counters.failed >= groups:
+                        c = manager.counters
+                        raise RolloutFailed(f"{c.failed} groups failed ({len(done)} finished); "
+                                            f"the last one: {c.last_error}") from None
+                    continue
+                f.write(encode_jsonl(got))  # as they finish: a long rollout can be read while it runs
+                f.flush()
+                done += got
+                ctl.consumed(got)
+                advance(len(got))
+        wall = time.perf_counter() - t0
+        await manager.stop()
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+    finally:
+        await manager.stop()
+        await pool.aclose()
+    summary = {"run_dir": str(run_dir), "model_dir": model_dir, "out": str(out), "wall_s": wall,
+               "failed_groups": manager.counters.failed, **summarize(done, wall)}
+    (run_dir / "rollout_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def summarize(groups: list[Group], wall_s: float) -> dict[str, Any]:
+    """What a rollout looks like: rewards, how many groups carry a learning signal, response lengths."""
+    samples = [s for g in groups for s in g.samples]
+    lens = sorted(s.num_tokens for s in samples)
+    rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
+    tokens = sum(lens)
+
+    def pct(q: float) -> int:
+        return lens[min(len(lens) - 1, int(q * len(lens)))]
+
+    return {
+        "groups": len(groups), "samples": len(samples), "tokens": tokens,
+        "reward_mean": statistics.fmean(rewards),
+        # GRPO learns only from groups whose samples disagree: all-equal rewards give zero advantage.
+        "groups_with_signal": sum(len(set(g.rewards)) > 1 for g in groups),
+        "length_mean": statistics.fmean(lens), "length_p50": pct(0.5), "length_p90": pct(0.9),
+        "length_max": lens[-1],
+        "finish_reasons": dict(Counter(s.finish_reason or "none" for s in samples)),
+        "samples_per_s": len(samples) / wall_s if wall_s > 0 else 0.0,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+    }
+
+
+class _progress:
+    """A groups bar on a terminal; nothing otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._p = Progress(TextColumn("[bold]groups"), MofNCompleteColumn(), BarColumn(),
+                           TimeElapsedColumn()) if enabled else None
+        self._total = total
+
+    def __enter__(self):  # noqa: ANN204
+        if self._p is None:
+            return lambda n: None
+        self._p.__enter__()
+        task = self._p.add_task("", total=self._total)
+        return lambda n: self._p.advance(task, n)  # type: ignore[union-attr]
+
+    def __exit__(self, *exc: object) -> None:
+        if self._p is not None:
+            self._p.__exit__(None, None, None)
