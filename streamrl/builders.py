@@ -140,3 +140,28 @@ def vllm_servers(cfg: Config, model_dir: str) -> list[Any]:
                    cache_dir=str(Path(cfg.warm_start.cache_dir).parent / "vllm"), start_timeout=e.start_timeout_s)
         for i in range(e.num_replicas)
     ]
+
+
+def check_context(cfg: Config, model_dir: str, task: TaskData) -> None:
+    """The longest prompt plus `rollout.max_new_tokens` must fit the model's context: otherwise every
+    long request fails inside the engines, and held-out evaluation before the first step with it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from .rollout.manager import encode_prompt
+
+    model_cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    ctx = model_cfg.get("max_position_embeddings")
+    if not isinstance(ctx, int):
+        return  # the model does not say; the engines will
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    records = task.train + task.held_out
+    longest = max(len(encode_prompt(tok, r["prompt"])) for r in records)
+    n = cfg.rollout.max_new_tokens
+    if longest + n > ctx:
+        raise ConfigError(
+            "rollout.max_new_tokens",
+            f"{n} new tokens after the longest prompt ({longest} tokens) exceed the model's context of {ctx} "
+            f"(max_position_embeddings in {model_dir}/config.json); at most {ctx - longest}",
+        )

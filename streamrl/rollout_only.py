@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .buffer import RolloutBuffer
 from .buffer.controller import StalenessController
-from .builders import build_pool, load_task, prepare_model, vllm_python
+from .builders import build_pool, check_context, load_task, prepare_model, vllm_python
 from .config import Config, dump_config
 from .rollout.manager import RolloutManager, RolloutSettings
 from .types import Group, encode_jsonl
@@ -49,6 +49,7 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     out = out or run_dir / "rollouts.jsonl"
     model_dir, _ = prepare_model(cfg, log)
+    check_context(cfg, model_dir, task)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pool = build_pool(cfg, model_dir)
     bg = cfg.trainer.batch_groups

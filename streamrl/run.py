@@ -22,7 +22,7 @@ import torch
 
 from .buffer import RolloutBuffer
 from .buffer.controller import StalenessController
-from .builders import TaskData, build_pool, load_task, prepare_model, vllm_python
+from .builders import TaskData, build_pool, check_context, load_task, prepare_model, vllm_python
 from .config import Config, dump_config
 from .engine.torch_engine import resolve_device
 from .progress import RunProgress
@@ -111,6 +111,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     t_start = time.perf_counter()
 
     model_dir, warm = prepare_model(cfg, log)
+    check_context(cfg, model_dir, task)
     tr = cfg.trainer
     settings = TrainerSettings(
         lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, device=resolve_device(tr.device),

@@ -93,15 +93,30 @@ def test_rollout_bad_input_is_a_clear_error(tmp_path: Path, args: list[str], nee
     assert not (tmp_path / "run").exists()
 
 
-def test_rollout_whose_every_request_fails_stops_with_the_reason(tmp_path: Path) -> None:
-    # The tiny model's context is 64 tokens: the engine rejects every request.
+def test_rollout_whose_every_group_fails_stops_with_the_reason(tmp_path: Path) -> None:
+    reward = Path(__file__).parent / "rewards_for_tests.py"
     p = subprocess.run([*STREAMRL, "rollout", str(_config(tmp_path, "local")), "--no-progress",
-                        "--set", "rollout.max_new_tokens=1000"], capture_output=True, text=True, timeout=120,
-                       cwd=tmp_path)
+                        "--set", f"data.reward={reward}:failing_reward"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
     assert p.returncode == 1, p.stderr
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "groups failed (0 finished)" in last and "context length" in last
-    assert "Traceback" not in p.stderr
+    assert last.startswith("error: ") and "groups failed (0 finished)" in last
+    assert "ValueError: the verifier is down" in last and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["rollout", "run"])
+def test_max_new_tokens_beyond_the_context_is_a_config_error(tmp_path: Path, cmd: str) -> None:
+    """The tiny model's context is 64 tokens: before, every request failed inside the engine (a
+    traceback from `run`'s first evaluation, a retry loop in `rollout`)."""
+    p = subprocess.run([*STREAMRL, cmd, str(_config(tmp_path, "local")), "--no-progress",
+                        "--set", "rollout.max_new_tokens=1000"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    last = p.stderr.strip().splitlines()[-1]  # the lines before it: transformers writing the tiny model
+    assert last.startswith("config error: rollout.max_new_tokens: 1000 new tokens")
+    assert "context of 64" in last and "at most 57" in last and "Traceback" not in p.stderr
+    # Stopped before the engines and the trainer: neither output file was opened.
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "rollouts.jsonl").exists()
 
 
 def _group(rewards: list[float], lengths: list[int]) -> Group:

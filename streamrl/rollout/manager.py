@@ -91,9 +91,7 @@ class RolloutManager:
                 yield self.prompts[i]
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        bos = self.tokenizer.bos_token_id
-        return [bos, *ids] if bos is not None else ids
+        return encode_prompt(self.tokenizer, text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -210,6 +208,13 @@ class RolloutManager:
         if inspect.isawaitable(r):
             r = await r
         s.reward = float(r)
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A prompt's token ids as the engines get them: `<bos>` (if the tokenizer has one), then the text."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return [bos, *ids] if bos is not None else ids
 
 
 def _as_version(v: Any) -> int:
