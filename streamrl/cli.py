@@ -23,6 +23,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(str(e), file=sys.stderr)
         return 2
     from .procs import EngineStartError
+    from .rollout import RolloutFailed
     from .rollout.ray_serve_pool import RayStartError
     from .run import run
 
@@ -31,7 +32,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
-    except (RayStartError, EngineStartError) as e:
+    except (RayStartError, EngineStartError, RolloutFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     _print_summary(summary)
@@ -47,8 +48,9 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         print(str(e), file=sys.stderr)
         return 2
     from .procs import EngineStartError
+    from .rollout import RolloutFailed
     from .rollout.ray_serve_pool import RayStartError
-    from .rollout_only import RolloutFailed, rollout_only
+    from .rollout_only import rollout_only
 
     groups = args.groups if args.groups is not None else cfg.trainer.batch_groups
     try:

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import socket
+from pathlib import Path
 
 
 class EngineStartError(RuntimeError):
@@ -35,6 +36,35 @@ async def terminate_group(proc: asyncio.subprocess.Process | None, grace: float)
             signal_group(signal.SIGKILL)
             await proc.wait()
     signal_group(signal.SIGKILL)  # stragglers in the group once the leader is gone
+    # SIGKILL is delivered asynchronously: on a loaded machine a straggler can still be running
+    # when this returns, and a caller that exits right after would leave it behind for a moment.
+    for _ in range(100):
+        if not _live_members(proc.pid):
+            break
+        await asyncio.sleep(0.02)
+
+
+def _live_members(pgid: int) -> bool:
+    """Whether process group `pgid` still has a member that is not a zombie (Linux /proc; elsewhere
+    whether the group exists at all)."""
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in proc_dir.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command name: state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def free_port() -> int:

@@ -28,10 +28,6 @@ from .rollout.manager import RolloutManager, RolloutSettings
 from .types import Group, encode_jsonl
 
 
-class RolloutFailed(RuntimeError):
-    """Every group failed: nothing useful can come out of the run (an engine that rejects all requests)."""
-
-
 async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, show_progress: bool = True,
                        log: Any = print) -> dict[str, Any]:
     """Generate and score `groups` groups of `rollout.group_size` samples; write them as JSONL (one
@@ -61,38 +57,31 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
     ro = cfg.rollout
     manager = RolloutManager(
         pool=pool, tokenizer=tokenizer, prompts=task.train, reward_fn=task.reward_fn, buffer=buffer,
-        controller=ctl, seed=cfg.seed,
+        controller=ctl, seed=cfg.seed, max_failed_in_a_row=groups,
         settings=RolloutSettings(group_size=ro.group_size, max_new_tokens=ro.max_new_tokens,
                                  temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, partial=ro.partial),
     )
     done: list[Group] = []
+    producer: asyncio.Task | None = None
     try:
         await pool.start()
         t0 = time.perf_counter()
         producer = asyncio.create_task(manager.run(), name="rollout-manager")
         with out.open("wb") as f, _progress(groups, show_progress) as advance:
             while len(done) < groups:
-                try:
-                    got = await buffer.get_batch(1, timeout=1.0)
-                except TimeoutError:
-                    # A failed group gives its slot back and is retried; give up once as many groups
-                    # have failed as were asked for, rather than retrying a broken engine forever.
-                    if manager.counters.failed >= groups:
-                        c = manager.counters
-                        raise RolloutFailed(f"{c.failed} groups failed ({len(done)} finished); "
-                                            f"the last one: {c.last_error}") from None
-                    continue
+                # Failed groups give their slot back and are retried, until `groups` fail in a row.
+                got = await manager.or_failure(buffer.get_batch(1))
                 f.write(encode_jsonl(got))  # as they finish: a long rollout can be read while it runs
                 f.flush()
                 done += got
                 ctl.consumed(got)
                 advance(len(got))
         wall = time.perf_counter() - t0
-        await manager.stop()
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
     finally:
         await manager.stop()
+        if producer is not None:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
         await pool.aclose()
     summary = {"run_dir": str(run_dir), "model_dir": model_dir, "out": str(out), "wall_s": wall,
                "failed_groups": manager.counters.failed, **summarize(done, wall)}

@@ -26,7 +26,7 @@ from .builders import TaskData, build_pool, check_context, load_task, prepare_mo
 from .config import Config, dump_config
 from .engine.torch_engine import resolve_device
 from .progress import RunProgress
-from .rollout.manager import RolloutManager, RolloutSettings
+from .rollout.manager import RolloutFailed, RolloutManager, RolloutSettings
 from .rollout.pools import EnginePool
 from .trainer.losses import LossConfig
 from .trainer.process import TrainerProcess
@@ -43,8 +43,11 @@ async def evaluate(manager: RolloutManager, pool: EnginePool, records: list[dict
     async def one(i: int, r: dict) -> float:
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "sampling_seed": seed + i}
         res = await pool.generate(manager.encode(r["prompt"]), params, f"eval-{seed}-{i}-{time.monotonic_ns()}")
-        out = manager.reward_fn(manager.decode(res["output_ids"]), r.get("answer", ""))
-        return float(await out) if asyncio.iscoroutine(out) else float(out)
+        try:
+            out = manager.reward_fn(manager.decode(res["output_ids"]), r.get("answer", ""))
+            return float(await out) if asyncio.iscoroutine(out) else float(out)
+        except Exception as e:  # noqa: BLE001 - a user's reward function: say so in one line
+            raise RolloutFailed(f"held-out evaluation: the reward function raised {type(e).__name__}: {e}") from e
 
     scores = await asyncio.gather(*[one(i, r) for i, r in enumerate(records)])
     return sum(scores) / len(scores)
@@ -162,6 +165,8 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
     manager = RolloutManager(
         pool=pool, tokenizer=trainer.tokenizer, prompts=task.train, reward_fn=task.reward_fn, buffer=buffer,
         controller=ctl, seed=cfg.seed,
+        # Four batches' worth of groups failing with none finishing: stop with the reason, not hang.
+        max_failed_in_a_row=4 * tr.batch_groups,
         settings=RolloutSettings(group_size=ro.group_size, max_new_tokens=ro.max_new_tokens,
                                  temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, partial=ro.partial),
     )
@@ -191,7 +196,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
         with RunProgress(tr.steps, enabled=show_progress) as bar:
             for step in range(1, tr.steps + 1):
                 tw = time.perf_counter()
-                groups = await next_batch(buffer, ctl, tr.batch_groups)
+                groups = await manager.or_failure(next_batch(buffer, ctl, tr.batch_groups))
                 wait_s = time.perf_counter() - tw
                 if samples_file is not None:
                     samples_file.write(encode_jsonl(groups))

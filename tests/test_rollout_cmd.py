@@ -93,14 +93,23 @@ def test_rollout_bad_input_is_a_clear_error(tmp_path: Path, args: list[str], nee
     assert not (tmp_path / "run").exists()
 
 
-def test_rollout_whose_every_group_fails_stops_with_the_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("cmd", "sets", "says"), [
+    ("rollout", [], "5 groups in a row failed (0 finished before them)"),
+    # `run` meets the broken reward first in its held-out evaluation, ...
+    ("run", [], "held-out evaluation: the reward function raised"),
+    # ... and without one (eval_size 0) in the rollouts, where it used to retry groups forever.
+    ("run", ["data.eval_size=0"], "8 groups in a row failed (0 finished before them)"),
+])
+def test_every_group_failing_stops_with_the_reason(tmp_path: Path, cmd: str, sets: list[str], says: str) -> None:
     reward = Path(__file__).parent / "rewards_for_tests.py"
-    p = subprocess.run([*STREAMRL, "rollout", str(_config(tmp_path, "local")), "--no-progress",
-                        "--set", f"data.reward={reward}:failing_reward"], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
+    args = ["--groups", "5"] if cmd == "rollout" else []
+    for s in [f"data.reward={reward}:failing_reward", *sets]:
+        args += ["--set", s]
+    p = subprocess.run([*STREAMRL, cmd, str(_config(tmp_path, "local")), "--no-progress", *args],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 1, p.stderr
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "groups failed (0 finished)" in last
+    assert last.startswith("error: ") and says in last, p.stderr
     assert "ValueError: the verifier is down" in last and "Traceback" not in p.stderr
 
 

@@ -1,6 +1,6 @@
 """Rollouts: engine pools and the manager that turns prompts into scored groups."""
 
-from .manager import RolloutCounters, RolloutManager, RolloutSettings
+from .manager import RolloutCounters, RolloutFailed, RolloutManager, RolloutSettings
 from .pools import EnginePool, LocalPool
 
-__all__ = ["EnginePool", "LocalPool", "RolloutCounters", "RolloutManager", "RolloutSettings"]
+__all__ = ["EnginePool", "LocalPool", "RolloutCounters", "RolloutFailed", "RolloutManager", "RolloutSettings"]

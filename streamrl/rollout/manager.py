@@ -19,9 +19,9 @@ import itertools
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..buffer import RolloutBuffer
 from ..buffer.controller import StalenessController
@@ -47,7 +47,16 @@ class RolloutCounters:
     tokens_discarded: int = 0
     partial_resumed: int = 0
     failed: int = 0
+    failed_in_a_row: int = 0  # failed groups since the last one that finished
     last_error: str | None = None  # why the last failed group failed, for a user-facing message
+
+
+class RolloutFailed(RuntimeError):
+    """Groups keep failing (an engine rejecting every request, a reward function that raises): the
+    manager stopped instead of retrying them forever."""
+
+
+T = TypeVar("T")
 
 
 RewardFn = Callable[[str, str], Any]
@@ -65,7 +74,10 @@ class RolloutManager:
         controller: StalenessController,
         settings: RolloutSettings,
         seed: int = 0,
+        max_failed_in_a_row: int | None = None,
     ) -> None:
+        """`max_failed_in_a_row`: after that many failed groups with none finishing in between, stop
+        and set `failure` (see `or_failure`); None retries failed groups forever."""
         if not prompts:
             raise ValueError("RolloutManager needs at least one prompt")
         self.pool = pool
@@ -81,6 +93,9 @@ class RolloutManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._seed_counter = itertools.count(seed * 1_000_003)
+        self.max_failed_in_a_row = max_failed_in_a_row
+        self.failure: RolloutFailed | None = None
+        self._failed = asyncio.Event()
 
     def _prompt_stream(self) -> Iterator[dict[str, Any]]:
         """Endless shuffled epochs over the prompts."""
@@ -118,6 +133,31 @@ class RolloutManager:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def _fail(self, error: RolloutFailed) -> None:
+        if self.failure is None:
+            self.failure = error
+            self._stopping = True
+            self._failed.set()
+
+    async def or_failure(self, aw: Awaitable[T]) -> T:
+        """Await `aw` (e.g. the next batch from the buffer), unless the manager gives up on failing
+        groups first: then cancel it and raise `RolloutFailed`, so a consumer never waits forever."""
+        task = asyncio.ensure_future(aw)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            failed.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert self.failure is not None
+            raise self.failure
+        return task.result()
+
     @property
     def num_running_groups(self) -> int:
         return len(self._tasks)
@@ -138,14 +178,20 @@ class RolloutManager:
             await self.controller.release(version, returned=True)
             raise
         except Exception as e:  # noqa: BLE001 - a failed group is counted and its slot given back
-            self.counters.failed += 1
-            self.counters.last_error = f"{type(e).__name__}: {e}"
+            c = self.counters
+            c.failed += 1
+            c.failed_in_a_row += 1
+            c.last_error = f"{type(e).__name__}: {e}"
+            if self.max_failed_in_a_row is not None and c.failed_in_a_row >= self.max_failed_in_a_row:
+                self._fail(RolloutFailed(f"{c.failed_in_a_row} groups in a row failed ({c.groups_done} finished "
+                                         f"before them); the last one: {c.last_error}"))
             await self.controller.release(version, returned=True)
             return
         for s in samples:
             s.timings["group_s"] = time.monotonic() - t0
         group = Group(group_id=gid, samples=samples, admitted_version=version, meta=dict(record))
         self.counters.groups_done += 1
+        self.counters.failed_in_a_row = 0
         self.counters.samples_done += len(samples)
         await self.buffer.put(group)
         await self.controller.release(version)
