@@ -248,7 +248,9 @@ async def _kill_a_busy_replica(run_task: asyncio.Task, other_apps: set[str]) -> 
                 stats = await handle.broadcast("stats").results_async(return_exceptions=True)
             except Exception:  # noqa: BLE001 - the app is still deploying
                 pass
-            busy = [s for s in stats if isinstance(s, dict) and s["running"] > 0]
+            # A replica in the middle of a batch, not one finishing its last sample: the stats are a
+            # few ms old when the kill lands, and a replica that has just gone idle loses nothing.
+            busy = sorted((s for s in stats if isinstance(s, dict) and s["running"] >= 4), key=lambda s: -s["running"])
             if busy:
                 os.kill(busy[0]["pid"], signal.SIGKILL)
                 return True
