@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _run_config_command(args: argparse.Namespace, make_coro, report) -> int:  # noqa: ANN001
+    """Load the config, run `make_coro(cfg, show_progress)` and `report` its result. A config error
+    is one line and exit 2; an engine that cannot start or groups that keep failing, exit 1."""
     from .config import ConfigError, load_config
 
     try:
@@ -25,45 +27,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .procs import EngineStartError
     from .rollout import RolloutFailed
     from .rollout.ray_serve_pool import RayStartError
-    from .run import run
 
     try:
-        summary = _run_async(run(cfg, show_progress=not args.no_progress and sys.stderr.isatty()))
+        result = _run_async(make_coro(cfg, not args.no_progress and sys.stderr.isatty()))
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
     except (RayStartError, EngineStartError, RolloutFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    _print_summary(summary)
+    report(result)
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .run import run
+
+    return _run_config_command(args, lambda cfg, progress: run(cfg, show_progress=progress), _print_summary)
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.set or [])
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    from .procs import EngineStartError
-    from .rollout import RolloutFailed
-    from .rollout.ray_serve_pool import RayStartError
     from .rollout_only import rollout_only
 
-    groups = args.groups if args.groups is not None else cfg.trainer.batch_groups
-    try:
-        s = _run_async(rollout_only(cfg, groups=groups, out=Path(args.out) if args.out else None,
-                                    show_progress=not args.no_progress and sys.stderr.isatty()))
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except (RayStartError, EngineStartError, RolloutFailed) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    _print_rollout_summary(s)
-    return 0
+    def make(cfg, progress):  # noqa: ANN001, ANN202
+        groups = args.groups if args.groups is not None else cfg.trainer.batch_groups
+        return rollout_only(cfg, groups=groups, out=Path(args.out) if args.out else None, show_progress=progress)
+
+    return _run_config_command(args, make, _print_rollout_summary)
 
 
 def _print_rollout_summary(s: dict) -> None:
