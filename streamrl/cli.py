@@ -43,6 +43,9 @@ def _run_config_command(args: argparse.Namespace, make_coro, report) -> int:  # 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .run import run
 
+    if args.resume:
+        args.set = [*(args.set or []), f"trainer.resume_from={args.resume}"]
+
     return _run_config_command(args, lambda cfg, progress: run(cfg, show_progress=progress), _print_summary)
 
 
@@ -196,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train from a YAML config. `streamrl config` lists every key.")
     p.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. trainer.steps=50")
+    p.add_argument("--resume", metavar="CHECKPOINT",
+                   help="continue from a checkpoint folder, RUN_DIR/checkpoints/step-N (= --set trainer.resume_from=...)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.set_defaults(fn=_cmd_run)
 

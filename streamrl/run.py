@@ -23,6 +23,7 @@ import torch
 from .buffer import RolloutBuffer
 from .buffer.controller import StalenessController
 from .builders import TaskData, build_pool, check_context, load_task, prepare_model, vllm_python
+from .checkpoint import Resume, continue_outputs, load_resume, save_checkpoint
 from .config import Config, dump_config
 from .engine.torch_engine import resolve_device
 from .progress import RunProgress
@@ -81,21 +82,6 @@ async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
     return time.perf_counter() - t0
 
 
-async def save_checkpoint(out: Path, trainer: Trainer | TrainerProcess, buffer: RolloutBuffer, step: int,
-                          executor: ThreadPoolExecutor) -> Path:
-    """The policy as a Hugging Face folder, with the rollout state beside it: the queued groups and
-    the samples an update interrupted (parked until their next round returns), each with its tokens,
-    behaviour logprobs and per-token versions. `RolloutBuffer.load_state_dict` reads
-    `rollout_state.msgpack` back. The snapshot is taken here, on the event loop, so it is consistent;
-    the model is written from the trainer's thread (idle between steps), so generation goes on."""
-    rollout_state = buffer.state_dict()
-    meta = {"step": step, "version": trainer.version, "queued_groups": len(buffer), "partials": buffer.num_partials}
-    await asyncio.get_running_loop().run_in_executor(executor, trainer.save, out)
-    (out / "rollout_state.msgpack").write_bytes(rollout_state)
-    (out / "state.json").write_text(json.dumps(meta))
-    return out
-
-
 async def poll_stats(pool: EnginePool) -> tuple[float, dict[str, Any]]:
     """The pool's stats and when they were read. A server answers between two engine steps (a large
     prefill right after a weight update takes tens of ms), so the run loop reads them off its path."""
@@ -107,19 +93,25 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     task: TaskData = load_task(cfg)  # first: a bad dataset or reward spec stops before any work
     if cfg.engines.backend == "vllm" and not cfg.engines.urls:
         vllm_python(cfg)  # a missing vLLM install stops here too, not after the warm start
+    resume = load_resume(cfg)  # a checkpoint that cannot continue this config stops here too
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     torch.manual_seed(cfg.seed)
     t_start = time.perf_counter()
 
-    model_dir, warm = prepare_model(cfg, log)
+    if resume is None:
+        model_dir, warm = prepare_model(cfg, log)
+        base_model = model_dir
+    else:  # the checkpoint's policy, for engines and trainer alike; no warm start
+        model_dir, warm, base_model = str(resume.path), None, resume.state.base_model
+        log(f"resuming from {resume.path} (step {resume.state.step})")
     check_context(cfg, model_dir, task)
     tr = cfg.trainer
     settings = TrainerSettings(
         lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, device=resolve_device(tr.device),
         micro_batch_tokens=tr.micro_batch_tokens, micro_batch_padding=tr.micro_batch_padding,
-        skip_zero_advantage=tr.skip_zero_advantage,
+        skip_zero_advantage=tr.skip_zero_advantage, ref_model_path=base_model,
         # Engines report greedy logprobs at T=1, sampled ones at the rollout temperature.
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         loss=LossConfig(kind=tr.loss, clip_eps=tr.clip_eps, clip_eps_high=tr.clip_eps_high,
@@ -127,19 +119,23 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     )
     # Its own process on CPU: beside the rollout manager's event loop a trainer thread loses time to
     # the GIL (docs/async.md). A GPU trainer stays in-process.
+    version, opt = (0, None) if resume is None else (resume.state.version, resume.optimizer)
     trainer: Trainer | TrainerProcess = (
-        TrainerProcess(model_dir, settings, threads=tr.threads) if tr.own_process and settings.device == "cpu"
-        else Trainer(model_dir, settings)
+        TrainerProcess(model_dir, settings, threads=tr.threads, version=version, optimizer_state=opt)
+        if tr.own_process and settings.device == "cpu"
+        else Trainer(model_dir, settings, version=version, optimizer_state=opt)
     )
     try:
-        return await _train(cfg, task, trainer, model_dir, warm, run_dir, t_start, log, show_progress)
+        return await _train(cfg, task, trainer, model_dir, base_model, warm, resume, run_dir, t_start, log,
+                            show_progress)
     finally:
         if isinstance(trainer, TrainerProcess):
             trainer.close()
 
 
-async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess, model_dir: str, warm: Any,
-                 run_dir: Path, t_start: float, log: Any, show_progress: bool) -> dict[str, Any]:
+async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess, model_dir: str, base_model: str,
+                 warm: Any, resume: Resume | None, run_dir: Path, t_start: float, log: Any,
+                 show_progress: bool) -> dict[str, Any]:
     tr = cfg.trainer
     train_exec = ThreadPoolExecutor(1, "trainer", initializer=lambda: torch.set_num_threads(tr.threads))
     pool = build_pool(cfg, model_dir)
@@ -171,14 +167,21 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                                  temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, partial=ro.partial),
     )
     summary: dict[str, Any] = {"run_dir": str(run_dir), "model_dir": model_dir, "warm_start": warm}
-    metrics_file = (run_dir / "metrics.jsonl").open("w")
-    samples_file = (run_dir / "samples.jsonl").open("wb") if cfg.save_samples else None
+    first_step, samples_total = 1, 0
+    if resume is not None:
+        summary["resumed_from"] = resume.restore(buffer, ctl, manager)
+        first_step, samples_total = resume.state.step + 1, resume.state.samples
+        continue_outputs(run_dir, resume.state.step, tr.batch_groups)
+    mode = "w" if resume is None else "a"
+    metrics_file = (run_dir / "metrics.jsonl").open(mode)
+    samples_file = (run_dir / "samples.jsonl").open(mode + "b") if cfg.save_samples else None
     poll: asyncio.Task | None = None
     try:
         await pool.start()  # inside try: servers already launched are stopped if this fails
-        if cfg.engines.urls:
+        if cfg.engines.urls or resume is not None:
             # Servers the user runs may hold other weights (a previous run's policy): start them from
-            # the trainer's, so version 0 means the same weights everywhere.
+            # the trainer's, so version 0 means the same weights everywhere. A resumed run's engines
+            # loaded the checkpoint's policy; this gives them its version too.
             await pool.update_weights(trainer.state_dict_for_engines(), trainer.version)
         summary["eval_before"] = {
             "greedy": await evaluate(manager, pool, task.held_out, 0.0, ro.max_new_tokens),
@@ -192,9 +195,8 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
         t0 = time.perf_counter()
         last = {"t": t0, "t_ps": t_ps, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tokens": 0, "discarded": 0,
                 "resumed": 0, "dropped": 0}
-        samples_total = 0
         with RunProgress(tr.steps, enabled=show_progress) as bar:
-            for step in range(1, tr.steps + 1):
+            for step in range(first_step, tr.steps + 1):
                 tw = time.perf_counter()
                 groups = await manager.or_failure(next_batch(buffer, ctl, tr.batch_groups))
                 wait_s = time.perf_counter() - tw
@@ -245,7 +247,9 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                 metrics_file.flush()
                 bar.update(step, row)
                 if tr.save_every and step % tr.save_every == 0:
-                    await save_checkpoint(run_dir / "checkpoints" / f"step-{step}", trainer, buffer, step, train_exec)
+                    await save_checkpoint(run_dir / "checkpoints" / f"step-{step}", trainer=trainer, buffer=buffer,
+                                          manager=manager, step=step, samples=samples_total, base_model=base_model,
+                                          executor=train_exec)
         await manager.stop()
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
@@ -274,3 +278,4 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
     summary["samples"] = samples_total
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+

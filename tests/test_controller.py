@@ -163,3 +163,27 @@ async def test_newer_short_groups_do_not_crowd_out_old_long_ones() -> None:
     await finish(3)
     assert await take() == ["g2", "g3"]
     assert c.stats.dropped_stale == 0
+
+
+async def test_a_restored_controller_admits_and_waits_like_the_original() -> None:
+    """B = 2, η = 2: after one trained batch, a controller restored from the queued and generating
+    groups (by their admission versions) has the same capacity and the same deadlines."""
+    c = StalenessController(batch_groups=2, max_staleness=2, max_groups=12)
+    admitted = [Group(group_id=f"g{i}", samples=[], admitted_version=await c.acquire()) for i in range(6)]
+    for _ in range(4):
+        await c.release(0)
+    c.consumed(admitted[:2])
+    await c.set_version(1)
+    admitted += [Group(group_id=f"n{i}", samples=[], admitted_version=await c.acquire()) for i in range(1)]
+    queued, generating = admitted[2:4], [*admitted[4:6], admitted[6]]
+    r = StalenessController(batch_groups=2, max_staleness=2, max_groups=12)
+    r.restore(version=1, trained_groups=2, queued=queued, generating=generating)
+    assert (r.capacity(), r.must_wait_for(), r.running) == (c.capacity(), c.must_wait_for(), c.running) == (1, 0, 3)
+    for ctl in (c, r):
+        ctl.consumed(queued)
+        await ctl.set_version(2)
+    assert r.must_wait_for() == c.must_wait_for() == 2  # the two v0 groups still generating are due now
+    for ctl in (c, r):
+        await ctl.release(0)
+    assert r.must_wait_for() == c.must_wait_for() == 1
+    assert r.capacity() == c.capacity() == 3

@@ -56,3 +56,61 @@ async def test_interrupted_samples_wait_in_the_paused_engine_and_resume_with_new
         k = s.versions.index(1)
         assert k >= 1 and s.versions == [0] * k + [1] * (s.num_tokens - k)
         assert s.status in ("completed", "truncated") and len(s.logprobs) == s.num_tokens
+
+
+async def test_a_snapshot_taken_at_an_update_resumes_in_a_new_manager(engine_model_dir: Path) -> None:
+    """Snapshot the groups being generated while the engine is paused at an update (what a checkpoint
+    does), stop everything, and restore into a new manager, controller and engine at the new version:
+    the same group finishes, each interrupted sample keeps its tokens (version 0) and goes on at
+    version 1; the prompt stream and the sampling seeds continue where they were."""
+    tok = AutoTokenizer.from_pretrained(engine_model_dir)
+    prompts = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(10, 20)]
+
+    def make(version: str) -> tuple[TorchEngine, LocalPool, RolloutBuffer, StalenessController, RolloutManager]:
+        engine = TorchEngine(str(engine_model_dir), device="cpu", max_running_requests=8, weight_version=version)
+        pool, buffer, ctl = LocalPool([engine]), RolloutBuffer(), StalenessController(batch_groups=1, max_groups=1)
+        manager = RolloutManager(pool=pool, tokenizer=tok, prompts=prompts, reward_fn=lambda text, answer: 0.0,
+                                 buffer=buffer, controller=ctl, seed=3,
+                                 settings=RolloutSettings(group_size=4, max_new_tokens=40))
+        return engine, pool, buffer, ctl, manager
+
+    engine, pool, buffer, ctl, manager = make("0")
+    await pool.start()
+    producer = asyncio.create_task(manager.run())
+    try:
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0)
+        await pool.pause("abort")
+        for _ in range(100):
+            if buffer.num_partials and engine.stats()["waiting"] == buffer.num_partials:
+                break
+            await asyncio.sleep(0.01)
+        blob, counters = manager.snapshot()
+    finally:
+        await manager.stop()
+        producer.cancel()
+        await pool.aclose()
+    assert counters["generating_groups"] == 1 and counters["prompts_drawn"] == 1
+
+    engine, pool, buffer, ctl, manager = make("1")
+    [restored] = manager.restore(blob, prompts_drawn=counters["prompts_drawn"], next_seed=counters["next_seed"])
+    before = {s.index: (list(s.response_ids), list(s.versions)) for s in restored.samples}
+    partial = [i for i, s in enumerate(restored.samples) if s.status == "partial"]
+    assert partial and all(before[i][0] for i in partial)  # interrupted with tokens
+    ctl.restore(version=1, trained_groups=0, queued=[], generating=[restored])
+    await pool.start()
+    producer = asyncio.create_task(manager.run())
+    try:
+        [group] = await asyncio.wait_for(buffer.get_batch(1), 60)
+    finally:
+        await manager.stop()
+        producer.cancel()
+        await pool.aclose()
+    assert group.group_id == restored.group_id and manager.prompts_drawn == 1  # the budget of 1 was this group
+    assert buffer.num_partials == 0
+    for s in group.samples:
+        ids, versions = before[s.index]
+        assert s.response_ids[: len(ids)] == ids and s.versions[: len(versions)] == versions  # nothing lost
+        assert set(s.versions[len(versions):]) <= {1} and s.status in ("completed", "truncated")
+        assert len(s.logprobs) == s.num_tokens
+    assert manager._next_seed >= counters["next_seed"] + len(partial)

@@ -105,3 +105,22 @@ def test_a_batch_with_no_signal_still_steps_adam_like_the_full_computation(tiny_
         assert float(a["step"]) == float(b["step"]) == 2
         # Adam's moments are linear in the gradients, so they compare without sqrt(v) amplifying noise.
         assert torch.allclose(a["exp_avg"], b["exp_avg"], atol=1e-8, rtol=1e-4)
+
+
+def test_a_resumed_trainer_continues_with_the_saved_optimizer_state(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two steps, save with the optimizer, load into a fresh trainer: its third step is the original's.
+    Without the optimizer state (AdamW restarting its moments) the third step comes out different."""
+    settings = TrainerSettings(lr=1e-3, loss=LossConfig(kind="decoupled_ppo"))
+    a = Trainer(str(tiny_model_dir), settings)
+    a.train_step(fake_groups(1))
+    a.train_step(fake_groups(2))
+    ckpt = a.save(tmp_path / "ckpt", optimizer=True)
+    b = Trainer(str(ckpt), settings, version=a.version, optimizer_state=ckpt / "optimizer.pt")
+    fresh = Trainer(str(ckpt), settings, version=a.version)
+    for t in (a, b, fresh):
+        t.train_step(fake_groups(3))
+    assert a.version == b.version == 3
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.allclose(pa, pb, rtol=0, atol=1e-7)
+    assert any(not torch.allclose(pa, pf, rtol=0, atol=1e-5)
+               for pa, pf in zip(a.model.parameters(), fresh.model.parameters(), strict=True))

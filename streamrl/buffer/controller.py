@@ -142,6 +142,18 @@ class StalenessController:
         async with self._changed:
             await self._changed.wait_for(lambda: self.must_wait_for() == 0)
 
+    def restore(self, *, version: int, trained_groups: int, queued: list[Group], generating: list[Group]) -> None:
+        """Continue a run from a checkpoint: the trainer at `version` has trained `trained_groups`
+        groups; `queued` wait in the buffer, `generating` are still being generated. They keep their
+        admission versions, so their deadlines (admitted + max_staleness) are the ones they had."""
+        self.version = version
+        self.started = trained_groups + len(queued) + len(generating)
+        self.returned = 0
+        self.running = len(generating)
+        self.stats.admitted = self.started
+        self._pending = Counter(g.admitted_version for g in [*queued, *generating])
+        self._inflight = Counter(g.admitted_version for g in generating)
+
     async def set_version(self, version: int) -> None:
         async with self._changed:
             self.version = version

@@ -148,9 +148,12 @@ class TrainerConfig(_Section):
     device: Annotated[Device, _d("trainer device; auto = cuda if available")] = "auto"
     eval_every: Annotated[int, _d("evaluate every N steps; 0 = never", ge=0)] = 0
     save_every: Annotated[int, _d(
-        "checkpoint (policy + rollout state) every N steps to run_dir/checkpoints; 0 = none (final/ is always written)",
+        "checkpoint (policy, optimizer, rollout state) every N steps to run_dir/checkpoints; 0 = none (final/ is always written)",
         ge=0,
     )] = 0
+    resume_from: Annotated[str | None, _d(
+        "continue a run from a checkpoint folder (run_dir/checkpoints/step-N): policy, optimizer, rollout state"
+    )] = None
     threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
     micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
     micro_batch_padding: Annotated[float, _d(

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import msgspec
 
 from ..buffer import RolloutBuffer
 from ..buffer.controller import StalenessController
@@ -90,9 +91,12 @@ class RolloutManager:
         self.counters = RolloutCounters()
         self._rng = random.Random(seed)
         self._order = self._prompt_stream()
+        self.prompts_drawn = 0  # records taken from the stream: a resumed run skips as many
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
-        self._seed_counter = itertools.count(seed * 1_000_003)
+        self._next_seed = seed * 1_000_003  # sampling seeds, one per request round
+        self._generating: dict[str, Group] = {}  # groups admitted and not finished, samples as they stand
+        self._restored: list[Group] = []
         self.max_failed_in_a_row = max_failed_in_a_row
         self.failure: RolloutFailed | None = None
         self._failed = asyncio.Event()
@@ -105,6 +109,29 @@ class RolloutManager:
             for i in order:
                 yield self.prompts[i]
 
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def snapshot(self) -> tuple[bytes, dict[str, int]]:
+        """The groups being generated, as msgpack, and the counters a resumed run continues from.
+
+        A sample object is only updated when its request round returns, so each stands as of its
+        last round: finished, partial (tokens up to the last interruption, as parked in the buffer)
+        or not started. Resuming from this loses at most what the engines decoded since the last
+        weight update, which is where the run loop takes checkpoints."""
+        groups = list(self._generating.values())
+        return _groups_encoder.encode(groups), {"prompts_drawn": self.prompts_drawn, "next_seed": self._next_seed,
+                                                "generating_groups": len(groups)}
+
+    def restore(self, generating: bytes, *, prompts_drawn: int, next_seed: int) -> list[Group]:
+        """Before `run()`: continue the groups of a `snapshot` (their unfinished samples resubmitted
+        with prompt + tokens so far) and the prompt stream where it was. The controller must count
+        them already (`StalenessController.restore`). Returns the restored groups."""
+        for _ in range(prompts_drawn - self.prompts_drawn):
+            next(self._order)
+        self.prompts_drawn = prompts_drawn
+        self._next_seed = next_seed
+        self._restored = _groups_decoder.decode(generating)
+        return self._restored
+
     def encode(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text)
 
@@ -115,17 +142,24 @@ class RolloutManager:
     async def run(self) -> None:
         """Admit and launch groups until `stop()`; each finished group goes into the buffer."""
         try:
+            for g in self._restored:
+                self._launch(g.meta, g.admitted_version, g)
+            self._restored = []
             while not self._stopping:
                 version = await self.controller.acquire()
                 if self._stopping:
                     await self.controller.release(version, returned=True)
                     break
                 record = next(self._order)
-                task = asyncio.create_task(self._run_group(record, version))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self.prompts_drawn += 1
+                self._launch(record, version)
         except asyncio.CancelledError:
             pass
+
+    def _launch(self, record: dict[str, Any], version: int, group: Group | None = None) -> None:
+        task = asyncio.create_task(self._run_group(record, version, group))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -162,14 +196,20 @@ class RolloutManager:
     def num_running_groups(self) -> int:
         return len(self._tasks)
 
-    async def _run_group(self, record: dict[str, Any], version: int) -> None:
-        gid = uuid.uuid4().hex[:12]
-        prompt_ids = self.encode(record["prompt"])
-        samples = [
-            Sample(group_id=gid, index=i, prompt_ids=prompt_ids, prompt_text=record["prompt"],
-                   meta={"answer": record.get("answer", "")})
-            for i in range(self.settings.group_size)
-        ]
+    async def _run_group(self, record: dict[str, Any], version: int, group: Group | None = None) -> None:
+        """Generate, score and queue one group; `group`: one restored from a checkpoint, whose
+        unfinished samples continue from their tokens."""
+        if group is None:
+            gid = uuid.uuid4().hex[:12]
+            prompt_ids = self.encode(record["prompt"])
+            samples = [
+                Sample(group_id=gid, index=i, prompt_ids=prompt_ids, prompt_text=record["prompt"],
+                       meta={"answer": record.get("answer", "")})
+                for i in range(self.settings.group_size)
+            ]
+            group = Group(group_id=gid, samples=samples, admitted_version=version, meta=dict(record))
+        gid, samples = group.group_id, group.samples
+        self._generating[gid] = group
         t0 = time.monotonic()
         try:
             await self._generate(samples)
@@ -187,9 +227,10 @@ class RolloutManager:
                                          f"before them); the last one: {c.last_error}"))
             await self.controller.release(version, returned=True)
             return
+        finally:
+            self._generating.pop(gid, None)
         for s in samples:
             s.timings["group_s"] = time.monotonic() - t0
-        group = Group(group_id=gid, samples=samples, admitted_version=version, meta=dict(record))
         self.counters.groups_done += 1
         self.counters.failed_in_a_row = 0
         self.counters.samples_done += len(samples)
@@ -206,12 +247,24 @@ class RolloutManager:
         next round comes back, an interrupted sample also sits in the buffer's partial area, so a
         checkpoint taken meanwhile includes it."""
         st = self.settings
-        pending = samples
+        pending = []
+        for s in samples:  # a restored group may hold finished samples; they are not generated again
+            if s.status in ("completed", "truncated"):
+                continue
+            if s.num_tokens >= st.max_new_tokens:  # restored under a smaller budget
+                s.status, s.finish_reason = "truncated", "length"
+                continue
+            if s.status == "partial":  # restored: parked until its next round returns, as before
+                self.buffer.park_partial(s)
+            pending.append(s)
         while pending:
-            params = [{
-                "max_new_tokens": st.max_new_tokens - s.num_tokens, "temperature": st.temperature,
-                "top_p": st.top_p, "top_k": st.top_k, "sampling_seed": next(self._seed_counter),
-            } for s in pending]
+            params = []
+            for s in pending:
+                params.append({
+                    "max_new_tokens": st.max_new_tokens - s.num_tokens, "temperature": st.temperature,
+                    "top_p": st.top_p, "top_k": st.top_k, "sampling_seed": self._next_seed,
+                })
+                self._next_seed += 1
             rids = [f"{s.group_id}-{s.index}-{s.num_resumes}" for s in pending]
             results = await self.pool.generate_many([s.prompt_ids + s.response_ids for s in pending], params, rids)
             interrupted = []
@@ -254,6 +307,10 @@ class RolloutManager:
         if inspect.isawaitable(r):
             r = await r
         s.reward = float(r)
+
+
+_groups_encoder = msgspec.msgpack.Encoder()
+_groups_decoder = msgspec.msgpack.Decoder(list[Group])
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

@@ -32,13 +32,14 @@ _groups = msgspec.msgpack.Encoder()
 _decode_groups = msgspec.msgpack.Decoder(list[Group])
 
 
-def _serve(conn: Any, model_path: str, settings: TrainerSettings, threads: int) -> None:
+def _serve(conn: Any, model_path: str, settings: TrainerSettings, threads: int, version: int,
+           optimizer_state: str | None) -> None:
     # Ctrl-C reaches the whole process group; the parent decides when this process stops (and if the
     # parent dies, the pipe closes and the loop below ends).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
-        trainer = Trainer(model_path, settings)
+        trainer = Trainer(model_path, settings, version=version, optimizer_state=optimizer_state)
         trainer.model.share_memory()
         conn.send(("ready", trainer.state_dict_for_engines()))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
@@ -53,7 +54,8 @@ def _serve(conn: Any, model_path: str, settings: TrainerSettings, threads: int) 
             if cmd == "train":
                 out: Any = trainer.train_step(_decode_groups.decode(arg))
             elif cmd == "save":
-                out = str(trainer.save(arg))
+                path, with_optimizer = arg
+                out = str(trainer.save(path, optimizer=with_optimizer))
             elif cmd == "stop":
                 conn.send(("ok", None))
                 return
@@ -68,14 +70,16 @@ class TrainerProcess:
     """`Trainer`'s interface (train_step, state_dict_for_engines, save, version, tokenizer) with the
     model and optimizer in a child process. Calls are blocking; run them off the event loop."""
 
-    def __init__(self, model_path: str, settings: TrainerSettings, *, threads: int = 1) -> None:
+    def __init__(self, model_path: str, settings: TrainerSettings, *, threads: int = 1, version: int = 0,
+                 optimizer_state: str | Path | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.version = 0
+        self.version = version
         ctx = mp.get_context("spawn")  # no fork of a process that holds threads and an event loop
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, model_path, settings, threads),
+        self._proc = ctx.Process(target=_serve, args=(child, model_path, settings, threads, version,
+                                       None if optimizer_state is None else str(optimizer_state)),
                                  name="streamrl-trainer", daemon=True)
         self._proc.start()
         child.close()
@@ -103,8 +107,8 @@ class TrainerProcess:
         """The child's parameters, shared: current after each `train_step` returns."""
         return self._weights
 
-    def save(self, out_dir: str | Path) -> Path:
-        return Path(self._call("save", str(out_dir)))
+    def save(self, out_dir: str | Path, *, optimizer: bool = False) -> Path:
+        return Path(self._call("save", (str(out_dir), optimizer)))
 
     def close(self) -> None:
         if self._proc.is_alive():

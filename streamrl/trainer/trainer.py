@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -44,8 +43,14 @@ class TrainerSettings:
     skip_zero_advantage: bool = True
 
 
+OPTIMIZER_FILE = "optimizer.pt"
+
+
 class Trainer:
-    def __init__(self, model_path: str, settings: TrainerSettings, *, version: int = 0) -> None:
+    def __init__(self, model_path: str, settings: TrainerSettings, *, version: int = 0,
+                 optimizer_state: str | Path | None = None) -> None:
+        """`optimizer_state`: an `optimizer.pt` written by `save(..., optimizer=True)`, to continue a run
+        with AdamW's moments and step counts as they were (the model comes from `model_path`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.settings = settings
@@ -57,6 +62,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999)
         )
+        if optimizer_state is not None:
+            state = torch.load(optimizer_state, map_location=self.device, weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.ref_model = None
         if settings.loss.kl_coef > 0:
             ref = AutoModelForCausalLM.from_pretrained(settings.ref_model_path or model_path, dtype=torch.float32)
@@ -141,15 +149,16 @@ class Trainer:
         """Detached tensors the engines copy from; valid until the next train_step mutates them."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def save(self, out_dir: str | Path) -> Path:
+    def save(self, out_dir: str | Path, *, optimizer: bool = False) -> Path:
+        """The policy as a Hugging Face folder; with `optimizer`, AdamW's state beside it
+        (`optimizer.pt`), which a resumed run loads through `optimizer_state`."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
+        if optimizer:
+            torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, out / OPTIMIZER_FILE)
         return out
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {"version": self.version, "optimizer": self.optimizer.state_dict()}
 
 
 def _staleness(samples: list[Sample], version: int) -> tuple[float, float]:
