@@ -1,4 +1,4 @@
-"""The `streamrl` command: run | rollout | serve | init-model | config | generate.
+"""The `streamrl` command: run | rollout | sweep | plot | serve | init-model | config | generate.
 
 Configuration errors print one line (`config error: <key>: <problem>`) and exit with status 2.
 """
@@ -57,6 +57,68 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         return rollout_only(cfg, groups=groups, out=Path(args.out) if args.out else None, show_progress=progress)
 
     return _run_config_command(args, make, _print_rollout_summary)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .config import ConfigError
+    from .sweep import parse_grid, sweep
+
+    try:
+        parse_grid(args.grid or [])  # a bad --grid is one line before the config is even read
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else None
+    failed: list[str] = []
+
+    def report(result: dict) -> None:
+        _print_sweep(result)
+        failed.extend(r["name"] for r in result["points"] if "error" in r)
+
+    def make(cfg, progress):  # noqa: ANN001, ANN202 - cfg: the base config, checked before any run
+        return sweep(args.config, args.grid, sets=args.set or [], out=out, show_progress=progress)
+
+    rc = _run_config_command(args, make, report)
+    return rc if rc or not failed else 1
+
+
+def _print_sweep(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"streamrl sweep: {result['out']}")
+    for col in ("point", "RL wall s", "samples/s", "speedup vs first", "final reward", "held-out (sampled)",
+                "staleness max", "tokens discarded", "resumed", "engine idle"):
+        t.add_column(col, justify="left" if col == "point" else "right")
+    for r in result["points"]:
+        if "error" in r:
+            t.add_row(r["name"], f"failed: {r['error']}", *[""] * 8)
+            continue
+        idle = r["engine_idle_frac"]
+        t.add_row(r["name"], f"{r['train_wall_s']:.1f}", f"{r['samples_per_s']:.0f}",
+                  f"{r.get('speedup_vs_first', float('nan')):.2f}", f"{r['final_reward']:.3f}",
+                  f"{r['eval_after_sampled']:.3f}", f"{r['staleness_max']:.0f}", f"{r['tokens_discarded']:.0f}",
+                  f"{r['partial_resumed']:.0f}", "-" if idle is None else f"{idle:.2f}")
+    Console().print(t)
+    print(f"rows: {result['out']}/sweep.json" + (f"; plot: {result['plot']}" if result.get("plot") else ""))
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import PlotError, plot_runs
+
+    runs = {}
+    for d in args.run_dirs:
+        name = Path(d).name or d
+        runs[name if name not in runs else d] = Path(d)
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "metrics.png"
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+    try:
+        path = plot_runs(runs, out, x=args.x, **({"metrics": metrics} if metrics else {}))
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"plot: {path}")
+    return 0
 
 
 def _print_rollout_summary(s: dict) -> None:
@@ -123,6 +185,7 @@ def _print_summary(s: dict) -> None:
     print(
         f"{s['steps']} steps, {s['samples']} samples in {s['train_wall_s']:.1f} s of training "
         f"({s['total_wall_s']:.1f} s total); metrics: {s['run_dir']}/metrics.jsonl; weights: {s['final_model']}"
+        + (f"; plot: {s['plot']}" if s.get("plot") else "")
     )
 
 
@@ -214,6 +277,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="JSONL file for the groups (default: RUN_DIR/rollouts.jsonl)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.set_defaults(fn=_cmd_rollout)
+
+    p = sub.add_parser("sweep", help="off-policy ratio experiments: one run per grid point, a table and a plot",
+                       description="Run the config once per point of a grid of values (the product of every "
+                                   "--grid), one after the other, and compare the runs.")
+    p.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
+    p.add_argument("--grid", action="append", metavar="KEY=V1,V2,...",
+                   help="values of one key, e.g. controller.max_staleness=0,1,4 (repeat for a product)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key in every run")
+    p.add_argument("--out", default=None, help="the sweep's folder (default: next to run_dir, sweep-DATE)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.set_defaults(fn=_cmd_sweep)
+
+    p = sub.add_parser("plot", help="curves of runs' metrics.jsonl, side by side, as a PNG")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default=None, help="PNG file (default: FIRST_RUN_DIR/metrics.png)")
+    p.add_argument("--x", default="wall_s", choices=["wall_s", "step", "samples"])
+    p.add_argument("--metrics", default=None,
+                   help="comma-separated metrics.jsonl fields (default: reward_mean,staleness_mean,"
+                        "engine_idle_frac,trainer_wait_s)")
+    p.set_defaults(fn=_cmd_plot)
 
     p = sub.add_parser("serve", help="an SGLang-compatible HTTP server for a model (see docs/http.md)",
                        add_help=False)

@@ -276,6 +276,17 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
     summary["total_wall_s"] = time.perf_counter() - t_start
     summary["steps"] = tr.steps
     summary["samples"] = samples_total
+    summary["plot"] = _plot(run_dir, log)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
+
+def _plot(run_dir: Path, log: Any) -> str | None:
+    """`RUN_DIR/metrics.png`; a plot that cannot be drawn is a warning, never a failed run."""
+    from .plot import plot_runs
+
+    try:
+        return str(plot_runs({run_dir.name: run_dir}, run_dir / "metrics.png", title=f"streamrl run: {run_dir}"))
+    except Exception as e:  # noqa: BLE001 - the run's results are already written
+        log(f"warning: no metrics.png ({type(e).__name__}: {e})")
+        return None
