@@ -89,7 +89,7 @@ def _print_sweep(result: dict) -> None:
     t = Table(title=f"streamrl sweep: {result['out']}")
     for col in ("point", "RL wall s", "samples/s", "speedup vs first", "final reward", "held-out (sampled)",
                 "staleness max", "tokens discarded", "resumed", "engine idle"):
-        t.add_column(col, justify="left" if col == "point" else "right")
+        t.add_column(col, justify="left" if col == "point" else "right", no_wrap=col == "point")
     for r in result["points"]:
         if "error" in r:
             t.add_row(r["name"], f"failed: {r['error']}", *[""] * 8)
@@ -99,7 +99,8 @@ def _print_sweep(result: dict) -> None:
                   f"{r.get('speedup_vs_first', float('nan')):.2f}", f"{r['final_reward']:.3f}",
                   f"{r['eval_after_sampled']:.3f}", f"{r['staleness_max']:.0f}", f"{r['tokens_discarded']:.0f}",
                   f"{r['partial_resumed']:.0f}", "-" if idle is None else f"{idle:.2f}")
-    Console().print(t)
+    # Piped or redirected (a log file), rich would fold ten columns into 80; a sweep's table is read whole.
+    Console(width=None if sys.stdout.isatty() else 170).print(t)
     print(f"rows: {result['out']}/sweep.json" + (f"; plot: {result['plot']}" if result.get("plot") else ""))
 
 
