@@ -71,7 +71,8 @@ async def save_checkpoint(out: Path, *, trainer: Trainer | TrainerProcess, buffe
         format=FORMAT, step=step, version=trainer.version, samples=samples, queued_groups=len(buffer),
         partials=buffer.num_partials, generating_groups=counters["generating_groups"],
         prompts_drawn=counters["prompts_drawn"], next_seed=counters["next_seed"],
-        batch_groups=manager.controller.batch_groups, group_size=manager.settings.group_size, base_model=base_model,
+        batch_groups=manager.controller.batch_groups, group_size=manager.settings.group_size,
+        base_model=str(Path(base_model).resolve()),  # a resumed run may start from another folder
     )
     await asyncio.get_running_loop().run_in_executor(executor, lambda: trainer.save(out, optimizer=True))
     (out / ROLLOUT_FILE).write_bytes(rollout_state)
