@@ -148,8 +148,15 @@ def continue_outputs(run_dir: Path, step: int, batch_groups: int) -> None:
     checkpoint's step (a crashed run may have gone further), so the files read as one run."""
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        rows = [line for line in metrics.read_text().splitlines() if line.strip()]
-        metrics.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
+        kept = []
+        for line in metrics.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # blank, or the torn last line of a killed run
+            if row["step"] <= step:
+                kept.append(line + "\n")
+        metrics.write_text("".join(kept))
     samples = run_dir / "samples.jsonl"
     if samples.is_file():
         lines = samples.read_bytes().splitlines(keepends=True)

@@ -105,16 +105,16 @@ def _print_sweep(result: dict) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .plot import PlotError, plot_runs
+    from .plot import DEFAULT_METRICS, PlotError, plot_runs
 
     runs = {}
     for d in args.run_dirs:
         name = Path(d).name or d
         runs[name if name not in runs else d] = Path(d)
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "metrics.png"
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+    metrics = [m.strip() for m in (args.metrics or "").split(",") if m.strip()] or DEFAULT_METRICS
     try:
-        path = plot_runs(runs, out, x=args.x, **({"metrics": metrics} if metrics else {}))
+        path = plot_runs(runs, out, x=args.x, metrics=metrics)
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
