@@ -47,6 +47,10 @@ MODES: dict[str, dict] = {
     "eta6": {"controller": {"max_staleness": 6}},
     "eta8": {"controller": {"max_staleness": 8}},
     "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
+    # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
+    # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
+    "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},
+    "eta4-whole": {"controller": {"max_staleness": 4}, "trainer": {"stream_batch": False}},
     # PyTorch SDPA for decode attention instead of the compiled CPU kernel (the default before 2026-12-01).
     "sync-sdpa": {"controller": {"max_staleness": 0}, "engines": {"cpu_kernel": False}},
     "eta4-sdpa": {"controller": {"max_staleness": 4}, "engines": {"cpu_kernel": False}},

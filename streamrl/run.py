@@ -1,7 +1,8 @@
 """`streamrl run`: the whole training loop, as actions on components.
 
     producer:  manager admits groups (controller) -> pool generates -> rewards -> buffer
-    consumer:  buffer batch -> trainer step (own thread) -> pause(abort) -> weights to every engine
+    consumer:  buffer batch (in parts, as they may be trained) -> trainer step (own process)
+               -> pause(abort) -> weights to every engine
                -> resume -> interrupted samples continue with the new version
 
 Synchronous RL is the same loop with `controller.max_staleness = 0`: the controller then admits exactly
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from .rollout.pools import EnginePool
 from .trainer.losses import LossConfig
 from .trainer.process import TrainerProcess
 from .trainer.trainer import Trainer, TrainerSettings
-from .types import encode_jsonl
+from .types import Group, encode_jsonl
 
 
 async def evaluate(manager: RolloutManager, pool: EnginePool, records: list[dict], temperature: float,
@@ -54,19 +56,36 @@ async def evaluate(manager: RolloutManager, pool: EnginePool, records: list[dict
     return sum(scores) / len(scores)
 
 
-async def next_batch(buffer: RolloutBuffer, ctl: StalenessController, size: int) -> list:
-    """`size` groups that satisfy the controller: within max_staleness (or kept by policy) and within
-    the off-policy fraction cap. Drops free admission slots, so the manager refills with fresh groups."""
-    await ctl.wait_for_oldest()  # never train past a group that would then be too stale
-    batch: list = []
-    offp = 0
-    while len(batch) < size:
-        got = await buffer.get_batch(size - len(batch), accept=ctl.accept)
+async def batch_parts(buffer: RolloutBuffer, ctl: StalenessController, size: int, *,
+                      stream: bool = True) -> AsyncIterator[list[Group]]:
+    """The next batch: `size` groups that satisfy the controller (within max_staleness or kept by
+    policy, within the off-policy fraction cap), oldest first. Drops free admission slots, so the
+    manager refills with fresh groups.
+
+    With `stream`, the batch comes in parts: each part as soon as the controller allows it
+    (`takeable`), so the trainer computes the finished groups while the batch's overdue ones (a long
+    sample due at this version) still generate, instead of idling until they are done. Without it,
+    the whole batch once none of it is missing.
+    """
+    if not stream:
+        await ctl.wait_for_oldest()  # never train past a group that would then be too stale
+    taken, offp, whole = 0, 0, []
+    while taken < size:
+        want = room = size - taken
+        if stream:
+            # Any group may fill one of the k places that no overdue group needs: take what is here.
+            want = min(await ctl.wait_takeable(room), max(1, len(buffer)))
+        got = await buffer.get_batch(want, accept=ctl.accept)
         kept, offp = ctl.compose(got, offpolicy_taken=offp)
         ctl.consumed(kept)
-        batch += kept
         await ctl.poke()
-    return batch
+        taken += len(kept)
+        if stream and kept:
+            yield kept
+        else:
+            whole += kept
+    if not stream:
+        yield whole
 
 
 async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
@@ -197,14 +216,25 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                 "resumed": 0, "dropped": 0}
         with RunProgress(tr.steps, enabled=show_progress) as bar:
             for step in range(first_step, tr.steps + 1):
+                # The batch's parts as they may be trained; the trainer computes one while the next
+                # is still generating, and only the optimizer step waits for the whole batch.
+                groups, wait_s, train_s, n_parts = [], 0.0, 0.0, 0
+                parts = batch_parts(buffer, ctl, tr.batch_groups, stream=tr.stream_batch)
                 tw = time.perf_counter()
-                groups = await manager.or_failure(next_batch(buffer, ctl, tr.batch_groups))
-                wait_s = time.perf_counter() - tw
+                while (part := await manager.or_failure(anext(parts, None))) is not None:
+                    t_train = time.perf_counter()
+                    wait_s += t_train - tw
+                    groups += part
+                    n_parts += 1
+                    await loop.run_in_executor(train_exec, trainer.accumulate, part)
+                    tw = time.perf_counter()
+                    train_s += tw - t_train
+                wait_s += time.perf_counter() - tw
                 if samples_file is not None:
                     samples_file.write(encode_jsonl(groups))
                 t_train = time.perf_counter()
-                stats = await loop.run_in_executor(train_exec, trainer.train_step, groups)
-                train_s = time.perf_counter() - t_train
+                stats = await loop.run_in_executor(train_exec, trainer.finish_step)
+                train_s += time.perf_counter() - t_train
                 sync_s = await sync_weights(pool, trainer)
                 await ctl.set_version(trainer.version)
                 samples_total += stats["trained_samples"]
@@ -229,7 +259,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                     "engine_idle_frac": max(0.0, 1 - (ps["busy_s"] - last["busy"]) / (dt_ps * pool.num_replicas)),
                     # Engine seconds spent in prefill: prompts, plus partials recomputed after an update.
                     "engine_prefill_s": ps.get("prefill_s", 0.0) - last["prefill"],
-                    "trainer_wait_s": wait_s, "train_s": train_s, "weight_sync_s": sync_s,
+                    "trainer_wait_s": wait_s, "train_s": train_s, "weight_sync_s": sync_s, "batch_parts": n_parts,
                     "clip_frac": stats.get("clip_frac", 0.0), "grad_norm": stats["grad_norm"],
                     "skipped_samples": stats["skipped_samples"],
                     "buffer_size": len(buffer),

@@ -187,3 +187,67 @@ async def test_a_restored_controller_admits_and_waits_like_the_original() -> Non
         await ctl.release(0)
     assert r.must_wait_for() == c.must_wait_for() == 1
     assert r.capacity() == c.capacity() == 3
+
+
+async def test_batch_parts_start_on_finished_groups_while_an_overdue_one_generates() -> None:
+    """B = 2, η = 1, version 1: a v0 group is due now and still generating (a long sample), two v1
+    groups have finished. Streamed, the trainer gets one v1 group at once (the other place is the v0
+    group's) and the v0 group the moment it finishes; it never takes the second v1 group instead,
+    which would leave the v0 group one version too stale. Not streamed, nothing comes until the
+    whole batch can. Either way the batch is the same and nothing is dropped."""
+    from streamrl.run import batch_parts
+
+    for stream in (True, False):
+        c = StalenessController(batch_groups=2, max_staleness=1)
+        buf = RolloutBuffer()
+        old = Group(group_id="old", samples=[], admitted_version=await c.acquire())
+        await c.set_version(1)
+        new = [Group(group_id=f"new{i}", samples=[], admitted_version=await c.acquire()) for i in range(2)]
+        for g in new:
+            await buf.put(g)
+            await c.release(1)
+        assert (c.must_wait_for(), c.takeable(2), c.takeable(1)) == (1, 1, 0)
+        parts = batch_parts(buf, c, 2, stream=stream)
+        first = asyncio.ensure_future(anext(parts))
+        await asyncio.sleep(0.02)
+        if stream:
+            assert [g.group_id for g in await asyncio.wait_for(first, 1)] == ["new0"]
+            first = asyncio.ensure_future(anext(parts))
+            await asyncio.sleep(0.02)
+        assert not first.done()  # the rest of the batch is the overdue group, still generating
+        await buf.put(old)
+        await c.release(0)
+        got = [g.group_id for g in await asyncio.wait_for(first, 1)]
+        assert got == (["old"] if stream else ["old", "new0"])
+        assert await anext(parts, None) is None
+        assert [g.group_id for g in buf.peek()] == ["new1"] and c.stats.dropped_stale == 0
+
+
+async def test_batch_parts_take_a_free_batch_at_once_and_whatever_is_ready_when_short() -> None:
+    """Nothing due: the whole batch comes as one part when it is there; when only some groups have
+    finished (the trainer is ahead of generation), those come first and the rest as they finish."""
+    from streamrl.run import batch_parts
+
+    c = StalenessController(batch_groups=3, max_staleness=2)
+    buf = RolloutBuffer()
+    gs = [Group(group_id=f"g{i}", samples=[], admitted_version=await c.acquire()) for i in range(6)]
+    for g in gs[:3]:
+        await buf.put(g)
+        await c.release(0)
+    assert c.takeable(3) == 3
+    assert [[g.group_id for g in p] async for p in batch_parts(buf, c, 3)] == [["g0", "g1", "g2"]]
+    await buf.put(gs[3])
+    await c.release(0)
+    parts = batch_parts(buf, c, 3)
+    assert [g.group_id for g in await anext(parts)] == ["g3"]
+    nxt = asyncio.ensure_future(anext(parts))
+    await asyncio.sleep(0.02)
+    assert not nxt.done()
+    for g in gs[4:]:
+        await buf.put(g)
+        await c.release(0)
+    rest = [g.group_id for g in await asyncio.wait_for(nxt, 1)]
+    if rest != ["g4", "g5"]:  # the two may arrive as one part or as two
+        rest += [g.group_id for g in await asyncio.wait_for(anext(parts), 1)]
+    assert rest == ["g4", "g5"]
+    assert await anext(parts, None) is None

@@ -28,7 +28,15 @@ def test_steps_match_the_in_process_trainer_and_weights_are_shared(tiny_model_di
             s_remote = remote.train_step(fake_groups(seed))
             assert s_remote["loss"] == pytest.approx(s_local["loss"], abs=1e-6)
             assert s_remote["trained_tokens"] == s_local["trained_tokens"]
-        assert remote.version == local.version == 2
+        # A batch in parts, as the run loop sends it while the rest of the batch still generates.
+        local.train_step(fake_groups(3))
+        first, *rest = fake_groups(3)
+        remote.accumulate([first])
+        remote.accumulate(rest)
+        assert remote.version == 2  # no step before finish_step
+        s_remote = remote.finish_step()
+        assert remote.version == local.version == 3
+        assert s_remote["trained_samples"] == 12
         # The parent's tensors are the child's parameters: they moved without being sent again.
         assert remote.state_dict_for_engines() is shared
         assert any(not torch.equal(before[k], shared[k]) for k in shared)

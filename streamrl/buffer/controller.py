@@ -101,8 +101,9 @@ class StalenessController:
                 self._forget(admitted_version)
             self._changed.notify_all()
 
-    def must_wait_for(self) -> int:
-        """How many more groups must finish before the next batch may be taken (0: take it now).
+    def must_wait_for(self, room: int | None = None) -> int:
+        """How many more groups must finish before the next batch's remaining `room` places (default:
+        the whole batch) may be filled (0: take them now).
 
         A group admitted at version a must be trained at trainer version a + max_staleness at the
         latest. The batch taken now (version v) is followed by one batch per version, so for every
@@ -116,6 +117,7 @@ class StalenessController:
         if not self._pending:
             return 0
         b, first = self.batch_groups, self.version - self.max_staleness
+        room = b if room is None else room
         worst = due = generating = 0
         for a in range(min(self._pending), max(self._pending) + 1):
             due += self._pending.get(a, 0)
@@ -123,9 +125,26 @@ class StalenessController:
             j = a - first
             if j < 0:
                 continue  # groups already past due: they are in this batch's count at j = 0
-            need = min(b, due - j * b)
+            need = min(room, due - j * b)
             worst = max(worst, need - (due - generating))
         return max(0, worst)
+
+    def takeable(self, room: int | None = None) -> int:
+        """How many of the next batch's `room` remaining places may be filled now, from the oldest
+        finished groups, without stranding a group that is still generating past its deadline.
+
+        Taking k <= room - must_wait_for(room) of the oldest leaves, for every j, room - k places for
+        the U(j) - j * B - (finished ones) that must still come: the same bound as waiting, so the
+        trainer can start on part of a batch while its overdue groups finish (`run.batch_parts`).
+        """
+        room = self.batch_groups if room is None else room
+        return room - self.must_wait_for(room)
+
+    async def wait_takeable(self, room: int) -> int:
+        """Wait until part of the next batch's `room` places may be filled; returns how many."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.takeable(room) > 0)
+            return self.takeable(room)
 
     def consumed(self, groups: list[Group]) -> None:
         """The trainer took these groups: they no longer count against future batches."""

@@ -165,6 +165,10 @@ class TrainerConfig(_Section):
     skip_zero_advantage: Annotated[bool, _d(
         "skip forward/backward of samples with advantage 0 (the same update, less compute; off with kl_coef)"
     )] = True
+    stream_batch: Annotated[bool, _d(
+        "compute a batch's groups as soon as they may be trained, while its overdue ones still generate "
+        "(the same update); false = wait for the whole batch, then compute"
+    )] = True
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -53,6 +53,10 @@ def _serve(conn: Any, model_path: str, settings: TrainerSettings, threads: int, 
         try:
             if cmd == "train":
                 out: Any = trainer.train_step(_decode_groups.decode(arg))
+            elif cmd == "accumulate":
+                out = trainer.accumulate(_decode_groups.decode(arg))
+            elif cmd == "finish":
+                out = trainer.finish_step()
             elif cmd == "save":
                 path, with_optimizer = arg
                 out = str(trainer.save(path, optimizer=with_optimizer))
@@ -67,8 +71,9 @@ def _serve(conn: Any, model_path: str, settings: TrainerSettings, threads: int, 
 
 
 class TrainerProcess:
-    """`Trainer`'s interface (train_step, state_dict_for_engines, save, version, tokenizer) with the
-    model and optimizer in a child process. Calls are blocking; run them off the event loop."""
+    """`Trainer`'s interface (train_step, accumulate, finish_step, state_dict_for_engines, save, version,
+    tokenizer) with the model and optimizer in a child process. Calls are blocking; run them off the
+    event loop."""
 
     def __init__(self, model_path: str, settings: TrainerSettings, *, threads: int = 1, version: int = 0,
                  optimizer_state: str | Path | None = None) -> None:
@@ -100,6 +105,14 @@ class TrainerProcess:
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         stats = self._call("train", _groups.encode(groups))
+        self.version += 1
+        return stats
+
+    def accumulate(self, groups: list[Group]) -> None:
+        self._call("accumulate", _groups.encode(groups))
+
+    def finish_step(self) -> dict[str, float]:
+        stats = self._call("finish")
         self.version += 1
         return stats
 

@@ -4,7 +4,9 @@
 thread (with its own torch thread count) so that generation keeps going on the event loop meanwhile.
 Per step: group-normalised advantages -> pack -> one forward with grad gives pi_theta; since the
 weights have not moved yet, its detached value *is* the proximal policy pi_prox (no second forward)
--> loss (GRPO / decoupled PPO / TIS) -> AdamW with gradient clipping -> version + 1.
+-> loss (GRPO / decoupled PPO / TIS) -> AdamW with gradient clipping -> version + 1. A step's batch
+may come in parts (`accumulate` per part, then `finish_step`), so the trainer starts on the groups
+that are ready while the rest of its batch is still generating.
 The mismatch between recomputed and behaviour logprobs of tokens produced by the *current* version is
 logged: on-policy it must be ~0, a built-in check that engine and trainer compute the same model.
 
@@ -14,7 +16,7 @@ The trainer knows nothing about engines, HTTP or Ray: it returns tensors and num
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +48,21 @@ class TrainerSettings:
 OPTIMIZER_FILE = "optimizer.pt"
 
 
+@dataclass
+class _Step:
+    """What `accumulate` has gathered for the step `finish_step` will take."""
+
+    samples: list[Sample] = field(default_factory=list)
+    rewards: list[torch.Tensor] = field(default_factory=list)
+    n_loss: int = 0  # trainable tokens of every sample (the loss's denominator)
+    n_trained: int = 0  # of those, the tokens actually computed (samples with a non-zero advantage)
+    computed_samples: int = 0
+    started: bool = False
+    stat_sums: dict[str, float] = field(default_factory=dict)  # loss stats, each weighted by its tokens
+    # |prox - behav| over current-version tokens, their count, |prox - behav| over all computed tokens
+    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+
+
 class Trainer:
     def __init__(self, model_path: str, settings: TrainerSettings, *, version: int = 0,
                  optimizer_state: str | Path | None = None) -> None:
@@ -70,6 +87,7 @@ class Trainer:
             ref = AutoModelForCausalLM.from_pretrained(settings.ref_model_path or model_path, dtype=torch.float32)
             self.ref_model = ref.to(self.device).eval().requires_grad_(False)
         self.version = version
+        self._acc: _Step | None = None  # a step in progress (accumulate called, finish_step not yet)
 
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices grouped by length: padded tokens per micro-batch stay under the budget and within
@@ -82,20 +100,39 @@ class Trainer:
         return length_buckets(lengths, max_padding=st.micro_batch_padding, max_tokens=st.micro_batch_tokens)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on a whole batch: `accumulate(groups)` then `finish_step()`."""
+        self.accumulate(groups)
+        return self.finish_step()
+
+    def accumulate(self, groups: list[Group]) -> None:
+        """Forward and backward on part of the next step's batch; gradients add up until `finish_step`.
+
+        Why in parts: the run loop hands over the groups that may be trained while others of the same
+        batch are still generating (a long sample due now), so the trainer computes instead of
+        waiting. Each micro-batch's loss is scaled by its own token count here and the sum divided by
+        the batch's count in `finish_step`: the token-level loss needs the whole batch's count, which
+        is only known once the last part is in. Same update as one call on the whole batch (up to
+        float summation order).
+        """
+        acc = self._acc if self._acc is not None else _Step()
+        self._acc = acc
         cfg = self.settings.loss
         samples = [s for g in groups for s in g.samples]
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, n]
-        adv = group_advantages(rewards).reshape(-1)  # [G*n]
-        n_loss = sum(sum(s.loss_mask) for s in samples)  # the denominator counts skipped samples too
+        adv = group_advantages(rewards).reshape(-1)  # [G*n]; per group, so parts are independent
+        acc.samples += samples
+        acc.rewards.append(rewards.reshape(-1))
+        acc.n_loss += sum(sum(s.loss_mask) for s in samples)  # the denominator counts skipped samples too
         skip = self.settings.skip_zero_advantage and self.ref_model is None
         nonzero = (adv != 0).tolist()
         trained = [i for i in range(len(samples)) if nonzero[i] or not skip]
-        # set_to_none=False: a parameter keeps a (zero) gradient even when every sample is skipped, so
-        # AdamW steps exactly as it would on the all-zero gradient of the full batch.
-        self.optimizer.zero_grad(set_to_none=False)
-        sums = torch.zeros(3, dtype=torch.float64)  # |diff| on current-version tokens, their count, |diff| all
-        agg: dict[str, float] = {}
-        n_trained = sum(sum(samples[i].loss_mask) for i in trained)
+        if not acc.started:
+            # set_to_none=False: a parameter keeps a (zero) gradient even when every sample is skipped,
+            # so AdamW steps exactly as it would on the all-zero gradient of the full batch.
+            self.optimizer.zero_grad(set_to_none=False)
+            acc.started = True
+        acc.n_trained += sum(sum(samples[i].loss_mask) for i in trained)
+        acc.computed_samples += len(trained)
         for mb in self.micro_batches([len(samples[i].prompt_ids) + samples[i].num_tokens for i in trained]):
             idx = [trained[j] for j in mb]
             batch = pack_samples([samples[i] for i in idx], self.pad_id, self.device)
@@ -111,27 +148,38 @@ class Trainer:
                 logp, batch.behav_logp, adv[idx].to(self.device), mask, cfg,
                 prox_logp=None if cfg.kind == "grpo" else prox, ref_logp=ref,
             )
-            # Token-level loss over the whole batch: weight each micro-batch by its share of tokens.
+            # Token-level loss over the whole batch: each micro-batch weighs by its share of tokens,
+            # n_mb / n_loss; the division comes in finish_step.
             n_mb = int(mask.sum())
-            (loss * (n_mb / max(n_loss, 1))).backward()
+            (loss * n_mb).backward()
             for k, v in stats.items():
-                # The losses are over every token (skipped ones add 0); the other stats describe the
-                # tokens that were computed.
-                share = n_mb / max(n_loss if k in ("loss", "pg_loss") else n_trained, 1)
-                agg[k] = agg.get(k, 0.0) + v * share
+                if k != "num_tokens":  # a count, not a mean: `computed_tokens` is the step's
+                    acc.stat_sums[k] = acc.stat_sums.get(k, 0.0) + v * n_mb
             cur = mask & (batch.versions == self.version)
             diff = (prox - batch.behav_logp).abs()
-            sums += torch.stack([(diff * cur).sum(), cur.sum(), (diff * mask).sum()]).double().cpu()
+            acc.sums += torch.stack([(diff * cur).sum(), cur.sum(), (diff * mask).sum()]).double().cpu()
+
+    def finish_step(self) -> dict[str, float]:
+        """The optimizer step on everything accumulated since the last one; version + 1."""
+        acc, self._acc = self._acc, None
+        if acc is None:
+            raise RuntimeError("finish_step without accumulate: no groups to train on")
+        n_loss, n_trained = acc.n_loss, acc.n_trained
         for p in self.model.parameters():
             if p.grad is None:  # never computed yet (first step, everything skipped)
                 p.grad = torch.zeros_like(p)
+            else:
+                p.grad.div_(max(n_loss, 1))
         # max_norm=inf measures the norm without clipping (grad_clip 0 = off).
         clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
-        st_sum, st_max = _staleness(samples, self.version)
+        st_sum, st_max = _staleness(acc.samples, self.version)
         self.version += 1
-        d, n_cur, d_all = (float(x) for x in sums)
+        d, n_cur, d_all = (float(x) for x in acc.sums)
+        # The losses are over every token (skipped ones add 0); the other stats describe the tokens
+        # that were computed.
+        agg = {k: v / max(n_loss if k in ("loss", "pg_loss") else n_trained, 1) for k, v in acc.stat_sums.items()}
         agg.setdefault("loss", 0.0)
         agg.setdefault("pg_loss", 0.0)
         agg.update(
@@ -140,8 +188,9 @@ class Trainer:
             logprob_diff_all=d_all / n_trained if n_trained > 0 else None,
             staleness_mean=st_sum / max(n_loss, 1), staleness_max=st_max,
             grad_norm=grad_norm if math.isfinite(grad_norm) else float("nan"),
-            reward_mean=float(rewards.mean()), trained_samples=len(samples), trained_tokens=n_loss,
-            skipped_samples=len(samples) - len(trained), computed_tokens=n_trained,
+            reward_mean=float(torch.cat(acc.rewards).mean()), trained_samples=len(acc.samples),
+            trained_tokens=n_loss, skipped_samples=len(acc.samples) - acc.computed_samples,
+            computed_tokens=n_trained,
         )
         return agg
 
