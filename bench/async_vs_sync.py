@@ -164,6 +164,7 @@ def run_mode(name: str, overrides: dict, base: dict) -> dict:
         "train_s": round(sum(r["train_s"] for r in rows), 2),
         "skipped_samples": sum(r.get("skipped_samples", 0) for r in rows),
         "trainer_wait_frac": round(sum(r["trainer_wait_s"] for r in rows) / train_wall, 3),
+        "batch_parts_mean": round(sum(r.get("batch_parts", 1) for r in rows) / n, 2),
         "process_wall_s": round(time.perf_counter() - t0, 1),
         "settings": overrides,
     }
