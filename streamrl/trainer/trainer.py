@@ -57,7 +57,6 @@ class _Step:
     n_loss: int = 0  # trainable tokens of every sample (the loss's denominator)
     n_trained: int = 0  # of those, the tokens actually computed (samples with a non-zero advantage)
     computed_samples: int = 0
-    started: bool = False
     stat_sums: dict[str, float] = field(default_factory=dict)  # loss stats, each weighted by its tokens
     # |prox - behav| over current-version tokens, their count, |prox - behav| over all computed tokens
     sums: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
@@ -114,8 +113,12 @@ class Trainer:
         is only known once the last part is in. Same update as one call on the whole batch (up to
         float summation order).
         """
-        acc = self._acc if self._acc is not None else _Step()
-        self._acc = acc
+        if self._acc is None:  # the step's first part
+            self._acc = _Step()
+            # set_to_none=False: a parameter keeps a (zero) gradient even when every sample is skipped,
+            # so AdamW steps exactly as it would on the all-zero gradient of the full batch.
+            self.optimizer.zero_grad(set_to_none=False)
+        acc = self._acc
         cfg = self.settings.loss
         samples = [s for g in groups for s in g.samples]
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, n]
@@ -126,11 +129,6 @@ class Trainer:
         skip = self.settings.skip_zero_advantage and self.ref_model is None
         nonzero = (adv != 0).tolist()
         trained = [i for i in range(len(samples)) if nonzero[i] or not skip]
-        if not acc.started:
-            # set_to_none=False: a parameter keeps a (zero) gradient even when every sample is skipped,
-            # so AdamW steps exactly as it would on the all-zero gradient of the full batch.
-            self.optimizer.zero_grad(set_to_none=False)
-            acc.started = True
         acc.n_trained += sum(sum(samples[i].loss_mask) for i in trained)
         acc.computed_samples += len(trained)
         for mb in self.micro_batches([len(samples[i].prompt_ids) + samples[i].num_tokens for i in trained]):
