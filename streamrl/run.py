@@ -80,10 +80,10 @@ async def batch_parts(buffer: RolloutBuffer, ctl: StalenessController, size: int
         ctl.consumed(kept)
         await ctl.poke()
         taken += len(kept)
-        if stream and kept:
-            yield kept
-        else:
+        if not stream:
             whole += kept
+        elif kept:
+            yield kept
     if not stream:
         yield whole
 

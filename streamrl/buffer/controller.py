@@ -129,7 +129,7 @@ class StalenessController:
             worst = max(worst, need - (due - generating))
         return max(0, worst)
 
-    def takeable(self, room: int | None = None) -> int:
+    def takeable(self, room: int) -> int:
         """How many of the next batch's `room` remaining places may be filled now, from the oldest
         finished groups, without stranding a group that is still generating past its deadline.
 
@@ -137,7 +137,6 @@ class StalenessController:
         the U(j) - j * B - (finished ones) that must still come: the same bound as waiting, so the
         trainer can start on part of a batch while its overdue groups finish (`run.batch_parts`).
         """
-        room = self.batch_groups if room is None else room
         return room - self.must_wait_for(room)
 
     async def wait_takeable(self, room: int) -> int:
