@@ -88,15 +88,16 @@ async def batch_parts(buffer: RolloutBuffer, ctl: StalenessController, size: int
         yield whole
 
 
-async def sync_weights(pool: EnginePool, trainer: Trainer) -> float:
-    """Interrupt generation, push the trainer's weights to every replica, resume. Returns seconds."""
+async def sync_weights(pool: EnginePool, trainer: Trainer | TrainerProcess, version: int) -> float:
+    """Interrupt generation, push the trainer's weights (those of `version`) to every replica, resume.
+    Returns seconds."""
     t0 = time.perf_counter()
     weights = trainer.state_dict_for_engines()
-    await pool.stage_weights(weights, trainer.version)  # engines keep generating meanwhile
+    await pool.stage_weights(weights, version)  # engines keep generating meanwhile
     # In-flight samples come back partial; the manager resubmits them at once and the paused engines
     # hold them until they resume with the new weights.
     await pool.pause("abort")
-    await pool.update_weights(weights, trainer.version)
+    await pool.update_weights(weights, version)
     await pool.resume()
     return time.perf_counter() - t0
 
@@ -195,6 +196,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
     metrics_file = (run_dir / "metrics.jsonl").open(mode)
     samples_file = (run_dir / "samples.jsonl").open(mode + "b") if cfg.save_samples else None
     poll: asyncio.Task | None = None
+    pushing: asyncio.Task | None = None  # a step's weight push and metrics row, beside the next step's parts
     try:
         await pool.start()  # inside try: servers already launched are stopped if this fails
         if cfg.engines.urls or resume is not None:
@@ -212,12 +214,63 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
         producer = asyncio.create_task(manager.run(), name="rollout-manager")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        last = {"t": t0, "t_ps": t_ps, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tokens": 0, "discarded": 0,
-                "resumed": 0, "dropped": 0}
+        last = {"t": t0, "t_ps": t_ps, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tokens": 0,
+                "discarded": 0, "resumed": 0, "dropped": 0}
+        def row_of(step: int, stats: dict[str, Any], sync_s: float, wait_s: float, train_s: float, n_parts: int,
+                   t_ps: float, ps: dict[str, Any], now: float) -> dict[str, Any]:
+            nonlocal last
+            dt, dt_ps = now - last["t"], t_ps - last["t_ps"]
+            c = manager.counters
+            row = {
+                "step": step, "version": stats["version"], "wall_s": round(now - t0, 4),
+                "samples": stats["samples_total"], "reward_mean": stats["reward_mean"],
+                "tokens_generated": c.tokens_generated - last["tokens"],
+                "gen_tps": (c.tokens_generated - last["tokens"]) / dt if dt > 0 else 0.0,
+                "loss": stats["loss"], "logprob_mismatch": stats["logprob_mismatch"],
+                "logprob_diff": stats["logprob_diff_all"],
+                "staleness_mean": stats["staleness_mean"], "staleness_max": stats["staleness_max"],
+                "partial_resumed": c.partial_resumed - last["resumed"],
+                "tokens_discarded": (c.tokens_discarded + ctl.stats.dropped_tokens) - last["discarded"],
+                "dropped_stale": ctl.stats.dropped_stale - last["dropped"],
+                # Over the interval between the last two stats reads: up to one step behind.
+                "engine_idle_frac": max(0.0, 1 - (ps["busy_s"] - last["busy"]) / (dt_ps * pool.num_replicas)),
+                # Engine seconds spent in prefill: prompts, plus partials recomputed after an update.
+                "engine_prefill_s": ps.get("prefill_s", 0.0) - last["prefill"],
+                "trainer_wait_s": wait_s, "train_s": train_s, "weight_sync_s": sync_s, "batch_parts": n_parts,
+                "clip_frac": stats.get("clip_frac", 0.0), "grad_norm": stats["grad_norm"],
+                "skipped_samples": stats["skipped_samples"],
+                "buffer_size": len(buffer),
+            }
+            if ctl.stats.decisions:
+                row["controller"] = ctl.drain_decisions()[-5:]
+            last = {"t": now, "t_ps": t_ps, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
+                    "tokens": c.tokens_generated, "discarded": c.tokens_discarded + ctl.stats.dropped_tokens,
+                    "resumed": c.partial_resumed, "dropped": ctl.stats.dropped_stale}
+            return row
+
+        async def publish(step: int, stats: dict[str, Any], *times: Any) -> None:
+            """The step's weights to every engine, then its metrics row. Runs while the trainer already
+            computes on the next batch's finished groups (the trainer only reads the weights there, as
+            the push does; its next optimizer step waits for this)."""
+            nonlocal poll
+            sync_s = await sync_weights(pool, trainer, stats["version"])
+            await ctl.set_version(stats["version"])  # admission goes on at the new version
+            # The stats read at the end of the previous step (done long since): never a wait here.
+            t_ps, ps = await (poll or poll_stats(pool))
+            poll = asyncio.create_task(poll_stats(pool))
+            row = row_of(step, stats, sync_s, *times, t_ps, ps, time.perf_counter())
+            if tr.eval_every and step % tr.eval_every == 0:
+                row["eval_sampled"] = await evaluate(manager, pool, task.held_out, ro.temperature,
+                                                     ro.max_new_tokens, seed=step)
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            bar.update(step, row)
+
         with RunProgress(tr.steps, enabled=show_progress) as bar:
             for step in range(first_step, tr.steps + 1):
                 # The batch's parts as they may be trained; the trainer computes one while the next
-                # is still generating, and only the optimizer step waits for the whole batch.
+                # is still generating (and while the last step's weights go out), and only the
+                # optimizer step waits for the whole batch.
                 groups, wait_s, train_s, n_parts = [], 0.0, 0.0, 0
                 parts = batch_parts(buffer, ctl, tr.batch_groups, stream=tr.stream_batch)
                 tw = time.perf_counter()
@@ -229,57 +282,29 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                     await loop.run_in_executor(train_exec, trainer.accumulate, part)
                     tw = time.perf_counter()
                     train_s += tw - t_train
+                if pushing is not None:  # the optimizer must not write weights the push still reads
+                    await pushing
+                    pushing = None
                 wait_s += time.perf_counter() - tw
                 if samples_file is not None:
                     samples_file.write(encode_jsonl(groups))
                 t_train = time.perf_counter()
                 stats = await loop.run_in_executor(train_exec, trainer.finish_step)
                 train_s += time.perf_counter() - t_train
-                sync_s = await sync_weights(pool, trainer)
-                await ctl.set_version(trainer.version)
                 samples_total += stats["trained_samples"]
-                # The stats read at the end of the previous step (done long since): never a wait here.
-                t_ps, ps = await (poll or poll_stats(pool))
-                poll = asyncio.create_task(poll_stats(pool))
-                now = time.perf_counter()
-                dt, dt_ps = now - last["t"], t_ps - last["t_ps"]
-                c = manager.counters
-                row = {
-                    "step": step, "version": trainer.version, "wall_s": round(now - t0, 4),
-                    "samples": samples_total, "reward_mean": stats["reward_mean"],
-                    "tokens_generated": c.tokens_generated - last["tokens"],
-                    "gen_tps": (c.tokens_generated - last["tokens"]) / dt if dt > 0 else 0.0,
-                    "loss": stats["loss"], "logprob_mismatch": stats["logprob_mismatch"],
-                    "logprob_diff": stats["logprob_diff_all"],
-                    "staleness_mean": stats["staleness_mean"], "staleness_max": stats["staleness_max"],
-                    "partial_resumed": c.partial_resumed - last["resumed"],
-                    "tokens_discarded": (c.tokens_discarded + ctl.stats.dropped_tokens) - last["discarded"],
-                    "dropped_stale": ctl.stats.dropped_stale - last["dropped"],
-                    # Over the interval between the last two stats reads: up to one step behind.
-                    "engine_idle_frac": max(0.0, 1 - (ps["busy_s"] - last["busy"]) / (dt_ps * pool.num_replicas)),
-                    # Engine seconds spent in prefill: prompts, plus partials recomputed after an update.
-                    "engine_prefill_s": ps.get("prefill_s", 0.0) - last["prefill"],
-                    "trainer_wait_s": wait_s, "train_s": train_s, "weight_sync_s": sync_s, "batch_parts": n_parts,
-                    "clip_frac": stats.get("clip_frac", 0.0), "grad_norm": stats["grad_norm"],
-                    "skipped_samples": stats["skipped_samples"],
-                    "buffer_size": len(buffer),
-                }
-                if tr.eval_every and step % tr.eval_every == 0:
-                    row["eval_sampled"] = await evaluate(manager, pool, task.held_out, ro.temperature,
-                                                         ro.max_new_tokens, seed=step)
-                if ctl.stats.decisions:
-                    row["controller"] = ctl.drain_decisions()[-5:]
-                last = {"t": now, "t_ps": t_ps, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
-                        "tokens": c.tokens_generated,
-                        "discarded": c.tokens_discarded + ctl.stats.dropped_tokens,
-                        "resumed": c.partial_resumed, "dropped": ctl.stats.dropped_stale}
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
-                bar.update(step, row)
+                stats.update(version=trainer.version, samples_total=samples_total)
+                await ctl.trainer_stepped(trainer.version)  # the next batch is composed at the new version
+                pushing = asyncio.create_task(publish(step, stats, wait_s, train_s, n_parts), name="publish")
                 if tr.save_every and step % tr.save_every == 0:
+                    # The checkpoint holds the buffer as of this step: nothing of the next batch taken yet.
+                    await pushing
+                    pushing = None
                     await save_checkpoint(run_dir / "checkpoints" / f"step-{step}", trainer=trainer, buffer=buffer,
                                           manager=manager, step=step, samples=samples_total, base_model=base_model,
                                           executor=train_exec)
+            if pushing is not None:
+                await pushing
+                pushing = None
         await manager.stop()
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
@@ -293,9 +318,10 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
         summary["groups_admitted"] = ctl.stats.admitted
         summary["groups_generated"] = manager.counters.groups_done
     finally:
-        if poll is not None:
-            poll.cancel()
-            await asyncio.gather(poll, return_exceptions=True)
+        for t in (pushing, poll):
+            if t is not None:
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
         metrics_file.close()
         if samples_file is not None:
             samples_file.close()

@@ -42,6 +42,28 @@ async def test_acquire_waits_for_a_new_version() -> None:
     assert await asyncio.wait_for(waiter, 1) == 1
 
 
+async def test_trainer_version_moves_first_admission_waits_for_the_engines() -> None:
+    """The run loop pushes a step's weights while the trainer composes the next batch: between
+    `trainer_stepped(v)` and `set_version(v)`, staleness and deadlines count against v but
+    admission still counts against the engines' weights, and a group admitted then gets their
+    version (its first tokens come from them)."""
+    c = StalenessController(batch_groups=2, max_staleness=1)
+    for _ in range(4):
+        assert await c.acquire() == 0
+    assert c.capacity() == 0
+    await c.trainer_stepped(1)
+    assert c.version == 1 and c.engine_version == 0
+    assert c.capacity() == 0  # no new group until the engines hold version 1
+    assert c.must_wait_for() == 2  # but the two v0 groups beyond this batch are due by version 2
+    assert c.staleness(group("v0", [0])) == 1  # a v0 token is one version old for the next batch
+    waiter = asyncio.ensure_future(c.acquire())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    await c.set_version(1)
+    assert await asyncio.wait_for(waiter, 1) == 1
+    assert c.capacity() == 1
+
+
 async def test_returned_slots_and_concurrency_cap() -> None:
     c = StalenessController(batch_groups=4, max_staleness=0, max_concurrent_groups=2)
     await c.acquire()

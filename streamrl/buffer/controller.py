@@ -1,9 +1,9 @@
 """The off-policy ratio controller: how stale may a sample be, and what happens when it is too stale.
 
 Three decisions, all pure logic (no torch, no engines):
-1. *Admission* (AReaL's rule): with trainer version v, batch size B (groups) and max staleness η, a new
-   group may start only while ``started_groups < (η + v + 1) * B``. Each batch the trainer consumes
-   was therefore started at most η versions before it is trained on. η = 0 is synchronous RL: the
+1. *Admission* (AReaL's rule): with weight version v in the engines, batch size B (groups) and max
+   staleness η, a new group may start only while ``started_groups < (η + v + 1) * B``. Each batch the
+   trainer consumes was therefore started at most η versions before it is trained on. η = 0 is synchronous RL: the
    engines produce exactly the next batch, then wait for the new weights. With ``max_groups`` (the
    run's budget, steps × B) no group starts that the run would never train: without it the last η
    batches' worth of generation is thrown away when the run ends.
@@ -58,7 +58,10 @@ class StalenessController:
         self.stale_policy = stale_policy
         self.max_concurrent_groups = max_concurrent_groups
         self.max_groups = max_groups  # groups the trainer will ever take; None = no end
-        self.version = 0
+        self.version = 0  # the trainer's: staleness, deadlines and batches are counted against it
+        # The weights the engines hold: admission counts against it, and a group admitted now gets it as
+        # its admission version. It trails `version` while a step's weights are being pushed.
+        self.engine_version = 0
         self.started = 0  # groups ever admitted (AReaL's accepted + running)
         self.running = 0
         self.returned = 0  # groups dropped after admission: their slot is given back
@@ -70,7 +73,7 @@ class StalenessController:
     # ---- admission -------------------------------------------------------------------------------
     def capacity(self) -> int:
         """How many more groups may start now."""
-        limit = (self.max_staleness + self.version + 1) * self.batch_groups
+        limit = (self.max_staleness + self.engine_version + 1) * self.batch_groups
         if self.max_groups is not None:
             limit = min(limit, self.max_groups)  # the run's budget is a ceiling on the same count
         free = limit - (self.started - self.returned)
@@ -85,9 +88,9 @@ class StalenessController:
             self.started += 1
             self.running += 1
             self.stats.admitted += 1
-            self._inflight[self.version] += 1
-            self._pending[self.version] += 1
-            return self.version
+            self._inflight[self.engine_version] += 1
+            self._pending[self.engine_version] += 1
+            return self.engine_version
 
     async def release(self, admitted_version: int, *, returned: bool = False) -> None:
         """A group finished generating (returned=True: it was thrown away and its slot is free again)."""
@@ -164,7 +167,7 @@ class StalenessController:
         """Continue a run from a checkpoint: the trainer at `version` has trained `trained_groups`
         groups; `queued` wait in the buffer, `generating` are still being generated. They keep their
         admission versions, so their deadlines (admitted + max_staleness) are the ones they had."""
-        self.version = version
+        self.version = self.engine_version = version
         self.started = trained_groups + len(queued) + len(generating)
         self.returned = 0
         self.running = len(generating)
@@ -173,6 +176,20 @@ class StalenessController:
         self._inflight = Counter(g.admitted_version for g in generating)
 
     async def set_version(self, version: int) -> None:
+        """Trainer and engines are both at `version` (the step's weights have reached the engines)."""
+        async with self._changed:
+            self.version = self.engine_version = version
+            self._changed.notify_all()
+
+    async def trainer_stepped(self, version: int) -> None:
+        """The trainer is at `version`, its weights not yet in the engines: the next batch is composed
+        against it, while admission keeps counting against the engines' version until `set_version`.
+
+        Why the split: the run loop pushes a step's weights while the trainer already computes on the
+        next batch's finished groups. Admitting against the new version before the engines hold it
+        would start groups whose first tokens come from the old weights, one version older than
+        their admission version, and so one version past η by their deadline.
+        """
         async with self._changed:
             self.version = version
             self._changed.notify_all()
