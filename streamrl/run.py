@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +35,8 @@ from .trainer.losses import LossConfig
 from .trainer.process import TrainerProcess
 from .trainer.trainer import Trainer, TrainerSettings
 from .types import Group, encode_jsonl
+
+T = TypeVar("T")
 
 
 async def evaluate(manager: RolloutManager, pool: EnginePool, records: list[dict], temperature: float,
@@ -100,6 +102,19 @@ async def sync_weights(pool: EnginePool, trainer: Trainer | TrainerProcess, vers
     await pool.update_weights(weights, version)
     await pool.resume()
     return time.perf_counter() - t0
+
+
+async def unless_push_failed(aw: Awaitable[T], push: asyncio.Task | None) -> T:
+    """Await `aw` (the next part of a batch), unless the weight push running beside it fails first:
+    then raise the push's error at once, instead of waiting on generation that will not come back."""
+    task = asyncio.ensure_future(aw)
+    if push is not None and not push.done():
+        await asyncio.wait({task, push}, return_when=asyncio.FIRST_COMPLETED)
+    if push is not None and push.done() and not push.cancelled() and (err := push.exception()) is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise err
+    return await task
 
 
 async def poll_stats(pool: EnginePool) -> tuple[float, dict[str, Any]]:
@@ -274,7 +289,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                 groups, wait_s, train_s, n_parts = [], 0.0, 0.0, 0
                 parts = batch_parts(buffer, ctl, tr.batch_groups, stream=tr.stream_batch)
                 tw = time.perf_counter()
-                while (part := await manager.or_failure(anext(parts, None))) is not None:
+                while (part := await unless_push_failed(manager.or_failure(anext(parts, None)), pushing)) is not None:
                     t_train = time.perf_counter()
                     wait_s += t_train - tw
                     groups += part

@@ -157,6 +157,38 @@ async def test_discard_mode_counts_discarded_tokens(tmp_path: Path, tiny_model_d
 
 
 @pytest.mark.slow
+async def test_a_failed_weight_push_stops_the_run_with_its_error(tmp_path: Path, tiny_model_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The push runs beside the next step's parts: when it fails (here the pool's update to version 3
+    raises, as for an engine lost mid-update), the run stops with that error, and the metrics hold
+    the steps whose weights reached the engines."""
+    import asyncio
+
+    import streamrl.run as run_mod
+
+    real = run_mod.build_pool
+
+    def failing_pool(cfg, model_dir):  # noqa: ANN001, ANN202 - a thin wrapper of the real builder
+        pool = real(cfg, model_dir)
+        update = pool.update_weights
+
+        async def update_weights(weights, version):  # noqa: ANN001, ANN202
+            if version == 3:
+                raise RuntimeError("engine lost during the update to version 3")
+            await update(weights, version)
+
+        pool.update_weights = update_weights
+        return pool
+
+    monkeypatch.setattr(run_mod, "build_pool", failing_pool)
+    # Sync: the next batch is only admitted once the push is done, so without the push's error the
+    # trainer would wait for it forever.
+    cfg = config_from_dict(small_cfg(tmp_path, tiny_model_dir, controller={"max_staleness": 0}))
+    with pytest.raises(RuntimeError, match="update to version 3"):
+        await asyncio.wait_for(run(cfg, show_progress=False, log=lambda *_: None), 120)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
 def test_quickstart_reward_rises_via_cli(tmp_path: Path) -> None:
     """The README's run command, shortened: warm start (cached per recipe) then GRPO; reward must rise."""
     run_dir = tmp_path / "qs"
