@@ -231,6 +231,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
         t0 = time.perf_counter()
         last = {"t": t0, "t_ps": t_ps, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tokens": 0,
                 "discarded": 0, "resumed": 0, "dropped": 0}
+
         def row_of(step: int, stats: dict[str, Any], sync_s: float, wait_s: float, train_s: float, n_parts: int,
                    t_ps: float, ps: dict[str, Any], now: float) -> dict[str, Any]:
             nonlocal last
