@@ -264,7 +264,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
                     "resumed": c.partial_resumed, "dropped": ctl.stats.dropped_stale}
             return row
 
-        async def publish(step: int, stats: dict[str, Any], *times: Any) -> None:
+        async def publish(step: int, stats: dict[str, Any], wait_s: float, train_s: float, n_parts: int) -> None:
             """The step's weights to every engine, then its metrics row. Runs while the trainer already
             computes on the next batch's finished groups (the trainer only reads the weights there, as
             the push does; its next optimizer step waits for this)."""
@@ -274,7 +274,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
             # The stats read at the end of the previous step (done long since): never a wait here.
             t_ps, ps = await (poll or poll_stats(pool))
             poll = asyncio.create_task(poll_stats(pool))
-            row = row_of(step, stats, sync_s, *times, t_ps, ps, time.perf_counter())
+            row = row_of(step, stats, sync_s, wait_s, train_s, n_parts, t_ps, ps, time.perf_counter())
             if tr.eval_every and step % tr.eval_every == 0:
                 row["eval_sampled"] = await evaluate(manager, pool, task.held_out, ro.temperature,
                                                      ro.max_new_tokens, seed=step)

@@ -3,8 +3,8 @@
 Three decisions, all pure logic (no torch, no engines):
 1. *Admission* (AReaL's rule): with weight version v in the engines, batch size B (groups) and max
    staleness η, a new group may start only while ``started_groups < (η + v + 1) * B``. Each batch the
-   trainer consumes was therefore started at most η versions before it is trained on. η = 0 is synchronous RL: the
-   engines produce exactly the next batch, then wait for the new weights. With ``max_groups`` (the
+   trainer consumes was therefore started at most η versions before it is trained on. η = 0 is
+   synchronous RL: the engines produce exactly the next batch, then wait for the new weights. With ``max_groups`` (the
    run's budget, steps × B) no group starts that the run would never train: without it the last η
    batches' worth of generation is thrown away when the run ends.
 2. *Acceptance* at batch time: a group whose oldest trainable token is more than η versions behind is
