@@ -90,15 +90,21 @@ async def batch_parts(buffer: RolloutBuffer, ctl: StalenessController, size: int
         yield whole
 
 
-async def sync_weights(pool: EnginePool, trainer: Trainer | TrainerProcess, version: int) -> float:
+# How the pool is paused for a weight update, per `rollout.partial`: `resume`/`discard` abort every
+# in-flight request (the manager resubmits it); `retract`/`in_place` keep it in the engine.
+PAUSE_MODE = {"resume": "abort", "discard": "abort", "retract": "retract", "in_place": "in_place"}
+
+
+async def sync_weights(pool: EnginePool, trainer: Trainer | TrainerProcess, version: int,
+                       partial: str = "resume") -> float:
     """Interrupt generation, push the trainer's weights (those of `version`) to every replica, resume.
     Returns seconds."""
     t0 = time.perf_counter()
     weights = trainer.state_dict_for_engines()
     await pool.stage_weights(weights, version)  # engines keep generating meanwhile
-    # In-flight samples come back partial; the manager resubmits them at once and the paused engines
-    # hold them until they resume with the new weights.
-    await pool.pause("abort")
+    # Aborted samples come back partial; the manager resubmits them at once and the paused engines
+    # hold them until they resume with the new weights. Retracted or frozen ones never leave.
+    await pool.pause(PAUSE_MODE[partial])
     await pool.update_weights(weights, version)
     await pool.resume()
     return time.perf_counter() - t0
@@ -269,7 +275,7 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
             computes on the next batch's finished groups (the trainer only reads the weights there, as
             the push does; its next optimizer step waits for this)."""
             nonlocal poll
-            sync_s = await sync_weights(pool, trainer, stats["version"])
+            sync_s = await sync_weights(pool, trainer, stats["version"], ro.partial)
             await ctl.set_version(stats["version"])  # admission goes on at the new version
             # The stats read at the end of the previous step (done long since): never a wait here.
             t_ps, ps = await (poll or poll_stats(pool))

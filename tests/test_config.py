@@ -148,6 +148,15 @@ def test_data_path(tmp_path: Path) -> None:
         (["oops"], "config error: --set oops: expected key=value, e.g. --set rollout.temperature=0.7"),
         (["warm_start.enabled=maybe"], "config error: warm_start.enabled: expected bool, got 'maybe'"),
         (
+            ["rollout.partial=keep"],
+            "config error: rollout.partial: expected one of 'resume', 'discard', 'retract', 'in_place', got 'keep'",
+        ),
+        (
+            ["engines.pool=http", "engines.backend=vllm", "rollout.partial=retract"],
+            "config error: rollout.partial: 'retract' needs the streamrl engine or SGLang; "
+            "with vLLM servers use resume or discard",
+        ),
+        (
             ["trainer.behav_imp_weight_cap=-1"],
             "config error: trainer.behav_imp_weight_cap: expected float > 0.0, got -1",
         ),

@@ -208,34 +208,59 @@ async def test_weight_update_from_state_dict_and_disk(engine_model_dir: Path, ti
         assert eng.weight_version == "8"
 
 
-async def test_update_mid_request_flushes_kv_and_records_versions(
-    engine_model_dir: Path, tiny_model_dir_b: Path
+def hf_greedy_on_stale_cache(old, new, prefix: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and logprobs of `new` continuing `prefix` on the KV cache `old` computed for all
+    of it but its last token: what an engine paused in place holds when its weights change."""
+    with torch.no_grad():
+        cache = old(torch.tensor([prefix[:-1]]), use_cache=True).past_key_values
+        tok, out, lps = prefix[-1], [], []
+        for _ in range(n):
+            lp = torch.log_softmax(new(torch.tensor([[tok]]), cache=cache).logits[0, -1].float(), -1)
+            tok = int(lp.argmax())
+            out.append(tok)
+            lps.append(lp[tok].item())
+    return out, lps
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+async def test_update_mid_request_recomputes_or_keeps_kv_and_records_versions(
+    engine_model_dir: Path, tiny_model_dir_b: Path, mode: str
 ) -> None:
-    model_b = hf(tiny_model_dir_b)
+    """SGLang's two ways to pause without losing requests, across a weight update: `retract`
+    recomputes their KV with the new weights (the tokens after the update are the new model's, given
+    the tokens so far); `in_place` keeps the old weights' KV, and the new weights read it."""
+    model_a, model_b = hf(engine_model_dir), hf(tiny_model_dir_b)
     async with engine(engine_model_dir) as eng:
         stream = eng.generate_stream(PROMPTS[0], {"max_new_tokens": 16, **GREEDY})
         first = [await stream.__anext__() for _ in range(4)]
-        await eng.pause("in_place")
+        await eng.pause(mode)
+        prefilled = eng.stats()["prefill_tokens"]
         await eng.update_weights_from_state_dict(model_b.state_dict(), weight_version="1")
         await eng.resume()
         rest = [c async for c in stream]
+        recomputed = eng.stats()["prefill_tokens"] - prefilled
     res = rest[-1].result
     prefix = [c.token_ids[0] for c in first]
     assert res["output_ids"][:4] == prefix
     # Chunks queued before the pause still carry the old version: count by the chunks' own label.
     n_old = sum(len(c.token_ids) for c in first + rest if c.weight_version == "default")
     assert 4 <= n_old < 16
-    # Tokens after the update follow the new weights given the tokens so far (no stale KV).
     old, new = res["output_ids"][:n_old], res["output_ids"][n_old:]
-    assert new == hf_greedy(model_b, PROMPTS[0] + old, len(new))
+    new_lp = [lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]][n_old:]
+    exact_ids = hf_greedy(model_b, PROMPTS[0] + old, len(new))
+    exact = exact_ids, hf_logprobs(model_b, PROMPTS[0] + old, exact_ids)
+    stale = hf_greedy_on_stale_cache(model_a, model_b, PROMPTS[0] + old, len(new))
+    assert abs(exact[1][0] - stale[1][0]) > 1e-3  # this model pair tells the two modes apart
+    want_ids, want_lp = exact if mode == "retract" else stale
+    assert new == want_ids
+    assert max(abs(a - b) for a, b in zip(new_lp, want_lp, strict=True)) < 1e-4
+    # retract: the prompt and the old tokens once more, in one prefill; in_place: nothing.
+    assert recomputed == (len(PROMPTS[0]) + n_old if mode == "retract" else 0)
     spans = res["meta_info"]["weight_versions"]
     assert spans == [
         {"version": "default", "start": 0, "end": n_old},
         {"version": "1", "start": n_old, "end": 16},
     ]
-    new_lp = [lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]][n_old:]
-    ref_lp = hf_logprobs(model_b, PROMPTS[0] + old, new)
-    assert max(abs(a - b) for a, b in zip(new_lp, ref_lp, strict=True)) < 1e-4
 
 
 async def test_bad_requests_fail_alone(engine_model_dir: Path) -> None:

@@ -142,6 +142,32 @@ async def test_async_run_over_http_resumes_group_batches(tmp_path: Path, tiny_mo
     assert any(len(set(s.versions)) > 1 for g in groups for s in g.samples)
 
 
+@pytest.mark.parametrize(("partial", "pool"), [("retract", "local"), ("in_place", "http")])
+async def test_samples_kept_in_the_engines_across_updates(tmp_path: Path, tiny_model_dir: Path, partial: str,
+                                                          pool: str) -> None:
+    """`rollout.partial` retract / in_place: a weight update pauses the engines without ending their
+    requests, so no sample comes back partial; a sample that lived through updates comes back once,
+    its tokens labelled with the versions that produced them, every trained one within η."""
+    cfg = config_from_dict(small_cfg(
+        tmp_path, tiny_model_dir, controller={"max_staleness": 2},
+        rollout={"group_size": 4, "max_new_tokens": 40, "partial": partial},
+        trainer={"steps": 6, "batch_groups": 2}, engines={"pool": pool, "max_running_requests": 2},
+    ))
+    summary = await run(cfg, show_progress=False, log=lambda *_: None)
+    assert summary["groups_admitted"] == summary["groups_generated"] == 6 * 2
+    rows = read_metrics(Path(cfg.run_dir))
+    groups = read_groups(Path(cfg.run_dir))
+    crossed = [s for g in groups for s in g.samples if len(set(s.versions)) > 1]
+    assert crossed  # updates landed mid-sample
+    assert sum(r["partial_resumed"] for r in rows) >= len(crossed)
+    assert sum(r["tokens_discarded"] for r in rows) == 0 and max(r["staleness_max"] for r in rows) <= 2
+    for step, g in enumerate(groups):
+        for s in g.samples:
+            assert s.num_resumes == 0 and s.finish_reason in ("stop", "length")  # never came back partial
+            assert len(s.response_ids) == len(s.logprobs) == len(s.versions) and s.versions == sorted(s.versions)
+            assert step // 2 - min(s.versions) <= 2
+
+
 async def test_discard_mode_counts_discarded_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},

@@ -114,7 +114,11 @@ class RolloutConfig(_Section):
     temperature: Annotated[float, _d("sampling temperature; 0 = greedy", ge=0)] = 1.0
     top_p: Annotated[float, _d("nucleus sampling mass", gt=0, le=1)] = 1.0
     top_k: Annotated[int, _d("top-k sampling; -1 = off", ge=-1)] = -1
-    partial: Annotated[Literal["resume", "discard"], _d("samples interrupted by a weight sync")] = "resume"
+    partial: Annotated[
+        Literal["resume", "discard", "retract", "in_place"],
+        _d("samples in flight at a weight sync: resume (abort, resubmit, KV recomputed), discard (restart), "
+           "retract (kept in the engine, KV recomputed), in_place (kept, old KV reused)"),
+    ] = "resume"
     max_concurrent_groups: Annotated[PosIntOrNone, _d("groups in flight; null = controller decides")] = None
 
 

@@ -55,6 +55,10 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             raise ConfigError("engines.router", "sglang-router does not front vLLM servers; set engines.router=null")
         if e.weight_sync != "disk":
             raise ConfigError("engines.weight_sync", "vLLM servers on CPU reload weights from disk only; use disk")
+        if cfg.rollout.partial in ("retract", "in_place"):
+            # vLLM has no retract, and a run keeping requests across a vLLM reload is not tested here.
+            raise ConfigError("rollout.partial", f"'{cfg.rollout.partial}' needs the streamrl engine or SGLang; "
+                                                 "with vLLM servers use resume or discard")
         if 0 < cfg.rollout.temperature < 0.01:
             raise ConfigError("rollout.temperature", "vLLM samples at >= 0.01 (it raises smaller values); "
                                                      f"use 0 (greedy) or >= 0.01, got {cfg.rollout.temperature}")

@@ -106,6 +106,7 @@ class TorchEngine:
         self._requests: dict[str, Request] = {}
         self._released = False
         self._closed = False
+        self._pause_mode: PauseMode | None = None  # how the engine is paused, while it is
         # prefill_*: first computation of a prompt, and recomputation of a resumed or flushed request's
         # tokens after a weight update: the price of exact partial resume.
         self._stats = {"generated_tokens": 0, "num_steps": 0, "num_requests": 0, "busy_s": 0.0,
@@ -360,18 +361,27 @@ class TorchEngine:
             return len(reqs)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
-        """`abort`: end every in-flight request with its partial output. `in_place`/`retract`: freeze
-        them and continue later without loss. Either way, new requests wait until `resume()`."""
+        """New requests wait until `resume()`; in-flight ones, as in SGLang:
+
+        - `abort`: end now with their partial output (the caller resubmits prompt + partial response).
+        - `retract`: freeze; a weight update meanwhile recomputes their KV with the new weights before
+          they go on (SGLang frees it and prefills them again): exact, no round trip through the caller.
+        - `in_place`: freeze with their KV as it is; after a weight update they go on reading keys and
+          values the old weights computed (SGLang keeps the running batch untouched; PipelineRL's
+          in-flight updates). No recomputation, but a token sampled then depends on both versions.
+        """
         if mode not in ("abort", "in_place", "retract"):
             raise EngineError(f"pause mode must be abort, in_place or retract, got {mode!r}")
         async with self._step_lock:
             self.scheduler.paused = True
+            self._pause_mode = mode
             if mode == "abort":
                 for r in self.scheduler.all_requests():
                     self._abort_now(r)
 
     async def resume(self) -> None:
         self.scheduler.paused = False
+        self._pause_mode = None
         self._wakeup.set()
 
     @property
@@ -380,13 +390,15 @@ class TorchEngine:
 
     async def update_weights_from_state_dict(self, named_tensors: Any, weight_version: str | None = None) -> None:
         """Load new weights between two steps. Running requests keep their tokens; their KV is
-        recomputed with the new weights before they decode again (no stale keys/values)."""
+        recomputed with the new weights before they decode again (no stale keys/values), unless the
+        engine is paused with mode `in_place`, which keeps it (see `pause`)."""
         tensors = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         loop = asyncio.get_running_loop()
         async with self._step_lock:
             await loop.run_in_executor(self._executor, self._load_tensors, tensors)
             self._version = str(weight_version) if weight_version is not None else self._bump(self._version)
-            self.scheduler.flush()
+            if self._pause_mode != "in_place":
+                self.scheduler.flush()
         self._wakeup.set()
 
     async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:

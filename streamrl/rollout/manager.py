@@ -7,6 +7,8 @@ logprobs; the manager parks it in the buffer's partial area (so a checkpoint inc
 resubmits prompt + partial response with the remaining token budget at once: the paused engines hold
 it and start it with the new weights when they resume. The new tokens carry the new weight version.
 With `partial="discard"` the partial tokens are thrown away and the sample restarts (for comparison).
+With `partial="retract"` / `"in_place"` the pool is paused so that in-flight requests stay in the
+engines (their KV recomputed / kept): the manager sees each sample once, with per-token versions.
 
 The manager knows nothing about torch or the trainer: it sees token ids, logprobs, versions and rewards.
 """
@@ -37,7 +39,7 @@ class RolloutSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    partial: str = "resume"  # resume | discard
+    partial: str = "resume"  # resume | discard | retract | in_place
 
 
 @dataclass
@@ -271,7 +273,9 @@ class RolloutManager:
             for s, res in zip(pending, results, strict=True):
                 if s.status == "partial":
                     self.buffer.unpark_partial(s)
-                self._append(s, res)
+                spans = self._append(s, res)
+                if st.partial in ("retract", "in_place"):  # continued inside the engine: once per update
+                    self.counters.partial_resumed += spans - 1
                 finish = res["meta_info"]["finish_reason"]
                 if finish["type"] != "abort":
                     s.finish_reason = finish["type"]
@@ -291,7 +295,8 @@ class RolloutManager:
                 interrupted.append(s)
             pending = interrupted
 
-    def _append(self, s: Sample, res: dict[str, Any]) -> None:
+    def _append(self, s: Sample, res: dict[str, Any]) -> int:
+        """Add a round's tokens to `s`, each with the version that produced it; returns the versions seen."""
         meta = res["meta_info"]
         ids = res["output_ids"]
         lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
@@ -300,6 +305,7 @@ class RolloutManager:
             a, b = span["start"], span["end"]
             s.append(ids[a:b], lps[a:b], _as_version(span["version"]))
         self.counters.tokens_generated += len(ids)
+        return len(spans)
 
     async def _score(self, s: Sample) -> None:
         s.response_text = self.decode(s.response_ids)
