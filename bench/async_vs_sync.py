@@ -47,6 +47,11 @@ MODES: dict[str, dict] = {
     "eta6": {"controller": {"max_staleness": 6}},
     "eta8": {"controller": {"max_staleness": 8}},
     "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
+    # In-flight samples stay in the engine at an update: KV recomputed there (exact, no round trip
+    # through the manager), or kept from the old weights (SGLang's in_place, PipelineRL's in-flight updates).
+    "eta4-retract": {"controller": {"max_staleness": 4}, "rollout": {"partial": "retract"}},
+    "eta4-inplace": {"controller": {"max_staleness": 4}, "rollout": {"partial": "in_place"}},
+    "eta8-inplace": {"controller": {"max_staleness": 8}, "rollout": {"partial": "in_place"}},
     # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
     # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
     "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},
