@@ -52,6 +52,10 @@ MODES: dict[str, dict] = {
     "eta4-retract": {"controller": {"max_staleness": 4}, "rollout": {"partial": "retract"}},
     "eta4-inplace": {"controller": {"max_staleness": 4}, "rollout": {"partial": "in_place"}},
     "eta8-inplace": {"controller": {"max_staleness": 8}, "rollout": {"partial": "in_place"}},
+    # The weights go to the engines every 2nd / 4th step only: fewer interruptions and recomputations.
+    "eta4-push2": {"controller": {"max_staleness": 4}, "trainer": {"push_every": 2}},
+    "eta8-push2": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 2}},
+    "eta8-push4": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4}},
     # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
     # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
     "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},

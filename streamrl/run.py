@@ -275,13 +275,18 @@ async def _train(cfg: Config, task: TaskData, trainer: Trainer | TrainerProcess,
             computes on the next batch's finished groups (the trainer only reads the weights there, as
             the push does; its next optimizer step waits for this)."""
             nonlocal poll
-            sync_s = await sync_weights(pool, trainer, stats["version"], ro.partial)
-            await ctl.set_version(stats["version"])  # admission goes on at the new version
+            evaluating = bool(tr.eval_every) and step % tr.eval_every == 0
+            sync_s = 0.0
+            # Between pushes the engines keep generating with older weights: fewer interruptions,
+            # and the controller counts the lag in every token's version.
+            if step % tr.push_every == 0 or step == tr.steps or evaluating:
+                sync_s = await sync_weights(pool, trainer, stats["version"], ro.partial)
+                await ctl.set_version(stats["version"])  # admission goes on at the new version
             # The stats read at the end of the previous step (done long since): never a wait here.
             t_ps, ps = await (poll or poll_stats(pool))
             poll = asyncio.create_task(poll_stats(pool))
             row = row_of(step, stats, sync_s, wait_s, train_s, n_parts, t_ps, ps, time.perf_counter())
-            if tr.eval_every and step % tr.eval_every == 0:
+            if evaluating:
                 row["eval_sampled"] = await evaluate(manager, pool, task.held_out, ro.temperature,
                                                      ro.max_new_tokens, seed=step)
             metrics_file.write(json.dumps(row) + "\n")

@@ -148,6 +148,12 @@ def test_data_path(tmp_path: Path) -> None:
         (["oops"], "config error: --set oops: expected key=value, e.g. --set rollout.temperature=0.7"),
         (["warm_start.enabled=maybe"], "config error: warm_start.enabled: expected bool, got 'maybe'"),
         (
+            ["controller.max_staleness=1", "trainer.push_every=3"],
+            "config error: trainer.push_every: must be <= controller.max_staleness + 1 (2): between two pushes "
+            "the engines lag the trainer by up to push_every - 1 versions, and no group may start more than "
+            "max_staleness versions before it is trained; got 3",
+        ),
+        (
             ["rollout.partial=keep"],
             "config error: rollout.partial: expected one of 'resume', 'discard', 'retract', 'in_place', got 'keep'",
         ),

@@ -168,6 +168,27 @@ async def test_samples_kept_in_the_engines_across_updates(tmp_path: Path, tiny_m
             assert step // 2 - min(s.versions) <= 2
 
 
+async def test_weights_pushed_every_n_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`trainer.push_every: 2`: the engines get the weights after steps 2, 4, 6 and the last one only,
+    so every trained token comes from an even version, each still within η of its step."""
+    cfg = config_from_dict(small_cfg(
+        tmp_path, tiny_model_dir, controller={"max_staleness": 2},
+        rollout={"group_size": 4, "max_new_tokens": 40},
+        trainer={"steps": 7, "batch_groups": 2, "push_every": 2}, engines={"max_running_requests": 2},
+    ))
+    summary = await run(cfg, show_progress=False, log=lambda *_: None)
+    assert summary["groups_admitted"] == summary["groups_generated"] == 7 * 2
+    rows = read_metrics(Path(cfg.run_dir))
+    assert [r["step"] for r in rows if r["weight_sync_s"] > 0] == [2, 4, 6, 7]
+    assert sum(r["tokens_discarded"] for r in rows) == 0 and max(r["staleness_max"] for r in rows) <= 2
+    versions = set()
+    for step, g in enumerate(read_groups(Path(cfg.run_dir))):
+        for s in g.samples:
+            versions.update(s.versions)
+            assert step // 2 - min(s.versions) <= 2
+    assert versions <= {0, 2, 4, 6} and len(versions) > 1
+
+
 async def test_discard_mode_counts_discarded_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},

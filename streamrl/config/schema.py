@@ -169,6 +169,11 @@ class TrainerConfig(_Section):
     skip_zero_advantage: Annotated[bool, _d(
         "skip forward/backward of samples with advantage 0 (the same update, less compute; off with kl_coef)"
     )] = True
+    push_every: Annotated[int, _d(
+        "push the weights to the engines every N optimizer steps (and at the last step and each evaluation): "
+        "fewer interruptions of samples in flight; the engines lag up to N-1 versions (needs "
+        "controller.max_staleness >= N-1)", ge=1,
+    )] = 1
     stream_batch: Annotated[bool, _d(
         "compute a batch's groups as soon as they may be trained, while its overdue ones still generate "
         "(the same update); false = wait for the whole batch, then compute"

@@ -66,6 +66,14 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
     if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):
         raise ConfigError("engines.router", f"expected an http:// or https:// URL or 'launch', got '{e.router}'")
+    eta = cfg.controller.max_staleness
+    if cfg.trainer.push_every > eta + 1:
+        raise ConfigError(
+            "trainer.push_every",
+            f"must be <= controller.max_staleness + 1 ({eta + 1}): between two pushes the engines lag the "
+            f"trainer by up to push_every - 1 versions, and no group may start more than max_staleness "
+            f"versions before it is trained; got {cfg.trainer.push_every}",
+        )
     cap = cfg.buffer.capacity
     if cap is not None and cap < cfg.trainer.batch_groups:
         raise ConfigError(
