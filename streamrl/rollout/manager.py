@@ -273,9 +273,9 @@ class RolloutManager:
             for s, res in zip(pending, results, strict=True):
                 if s.status == "partial":
                     self.buffer.unpark_partial(s)
-                spans = self._append(s, res)
-                if st.partial in ("retract", "in_place"):  # continued inside the engine: once per update
-                    self.counters.partial_resumed += spans - 1
+                # A sample the engine kept across updates (retract / in_place) comes back with one
+                # version span per update it lived through; an aborted round always has one.
+                self.counters.partial_resumed += self._append(s, res) - 1
                 finish = res["meta_info"]["finish_reason"]
                 if finish["type"] != "abort":
                     s.finish_reason = finish["type"]
