@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _table import print_table
 
 from streamrl.config import config_from_dict
 from streamrl.run import run
@@ -69,6 +70,9 @@ MODES: dict[str, dict] = {
     # The trainer as a thread of the driver, beside the rollout manager's event loop (before 2026-11-30).
     "eta4-trainer-thread": {"controller": {"max_staleness": 4}, "trainer": {"own_process": False}},
 }
+# What a plain run compares: sync (both loops), η = 1, 2, 4, 8 with exact resume, η = 8 pushing every
+# 4th step, and η = 4 restarting interrupted samples (`discard`). The rest are for A/B experiments.
+DEFAULT_MODES = ("sync", "sync-whole", "eta1", "eta2", "eta4", "eta8", "eta8-push4", "eta4-discard")
 
 
 # Tail shapes: (fraction of long answers, repeat range of long answers, model context, max_new_tokens).
@@ -210,7 +214,7 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100, help="trainer steps per mode (budget = steps*8*8 samples)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"any of {', '.join(MODES)}")
     ap.add_argument("--warm-steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", default="http", choices=["http", "local"])
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the mode list this many times, interleaved; report medians (machines here drift)")
     ap.add_argument("--out", default=str(RESULTS / "async_vs_sync.json"))
     args = ap.parse_args(argv)
+    if unknown := [m for m in args.modes.split(",") if m not in MODES]:
+        ap.error(f"--modes: unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.work_dir or tmp
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -259,17 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(rows)
     rows = summarize(rounds)
 
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"async vs sync, long-tail task, {rows[0]['samples']} samples per mode (2-core CPU)")
     cols = ["mode", "wall_s", "samples_per_s", "speedup_vs_sync", "speedup_vs_best_sync", "engine_idle_frac",
             "tokens_discarded", "partial_resumed", "staleness_max", "final_reward"]
-    for c in cols:
-        t.add_column(c)
-    for r in rows:
-        t.add_row(*[str(r[c]) for c in cols])
-    Console().print(t)
+    print_table(f"async vs sync, long-tail task, {rows[0]['samples']} samples per mode (2-core CPU)", cols,
+                ([r[c] for c in cols] for r in rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail,
             "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps,

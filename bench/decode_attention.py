@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _table import print_table
 from transformers import AutoModelForCausalLM
 
 from streamrl.engine import kernels
@@ -114,17 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.contexts.split(","):
                 results += bench_preset(preset, rows, args.context, kind, args.blocks, Path(tmp))
 
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="decode step, compiled CPU kernel vs PyTorch SDPA (1 thread)")
     cols = ["preset", "contexts", "rows", "mean_context", "step_ms_sdpa", "step_ms_kernel", "step_speedup",
             "attn_us_sdpa", "attn_us_kernel", "attn_speedup"]
-    for c in cols:
-        t.add_column(c)
-    for r in results:
-        t.add_row(*[str(r[c]) for c in cols])
-    Console().print(t)
+    print_table("decode step, compiled CPU kernel vs PyTorch SDPA (1 thread)", cols,
+                ([r[c] for c in cols] for r in results))
     meta = {"context": args.context, "threads": 1, "torch": torch.__version__, "python": sys.version.split()[0],
             "kernel": kernels.decode_attention() is not None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from _table import print_table
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from streamrl.engine import TorchEngine
@@ -119,16 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         for preset in args.models.split(","):
             path = build_tiny_model(Path(tmp) / preset, preset=preset, seed=args.seed)
             rows += bench_model(preset, str(path), args.requests, args.batch, args.seed, args.repeats)
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="TorchEngine vs model.generate (useful tokens/s, CPU)")
-    for col in ("model", "params M", "workload", "generate tok/s", "engine tok/s", "engine wall / generate wall"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["model"], str(r["params_m"]), r["workload"], str(r["generate_tps"]),
-                      str(r["engine_tps"]), str(r["engine_wall_over_generate"]))
-    Console().print(table)
+    print_table(
+        "TorchEngine vs model.generate (useful tokens/s, CPU)",
+        ("model", "params M", "workload", "generate tok/s", "engine tok/s", "engine wall / generate wall"),
+        ((r["model"], r["params_m"], r["workload"], r["generate_tps"], r["engine_tps"], r["engine_wall_over_generate"])
+         for r in rows),
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"threads": args.threads, "torch": torch.__version__, "python": sys.version.split()[0]}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))

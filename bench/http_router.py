@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from _table import print_table
 
 from streamrl.rollout.http_pool import RouterProcess, ServerProcess
 from streamrl.tasks import build_tiny_model
@@ -84,17 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "http_router.json"))
     args = ap.parse_args(argv)
     rows = asyncio.run(main_async(args))
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="/generate: direct to 2 workers vs through sglang-router (CPU, tiny model)")
-    for col in ("clients", "direct req/s", "router req/s", "direct p50/p99 ms", "router p50/p99 ms"):
-        t.add_column(col)
-    for r in rows:
-        d, ro = r["direct"], r["router"]
-        t.add_row(str(r["clients"]), str(d["req_per_s"]), str(ro["req_per_s"]),
-                  f"{d['p50_ms']} / {d['p99_ms']}", f"{ro['p50_ms']} / {ro['p99_ms']}")
-    Console().print(t)
+    print_table(
+        "/generate: direct to 2 workers vs through sglang-router (CPU, tiny model)",
+        ("clients", "direct req/s", "router req/s", "direct p50/p99 ms", "router p50/p99 ms"),
+        ((r["clients"], r["direct"]["req_per_s"], r["router"]["req_per_s"],
+          f"{r['direct']['p50_ms']} / {r['direct']['p99_ms']}", f"{r['router']['p50_ms']} / {r['router']['p99_ms']}")
+         for r in rows),
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": {"python": sys.version.split()[0]}, "results": rows}, indent=2))
     print(f"wrote {args.out}")

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from _table import print_table
 from engine_throughput import run_engine, run_generate, workload
 from transformers import AutoModelForCausalLM
 
@@ -156,26 +157,20 @@ def main(argv: list[str] | None = None) -> int:
                 qs["vllm_wall_over_torch_engine"] = round(qs["vllm"]["wall_s"] / qs["torch_engine"]["wall_s"], 3)
                 qs["vllm_rl_over_torch_engine"] = round(qs["vllm"]["rl_s"] / qs["torch_engine"]["rl_s"], 3)
             out["quickstart"] = qs
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"generation, {args.concurrency} concurrent requests (useful tokens/s, 2-core CPU)")
-    for col in ("model", "params M", "workload", "generate", "TorchEngine", "vLLM server", "vLLM / TorchEngine"):
-        t.add_column(col)
-    for r in out["throughput"]:
-        t.add_row(r["model"], str(r["params_m"]), r["workload"], str(r["generate_tps"]), str(r["torch_engine_tps"]),
-                  str(r["vllm_tps"]), str(r["vllm_over_torch_engine"]))
-    Console().print(t)
+    print_table(
+        f"generation, {args.concurrency} concurrent requests (useful tokens/s, 2-core CPU)",
+        ("model", "params M", "workload", "generate", "TorchEngine", "vLLM server", "vLLM / TorchEngine"),
+        ((r["model"], r["params_m"], r["workload"], r["generate_tps"], r["torch_engine_tps"], r["vllm_tps"],
+          r["vllm_over_torch_engine"]) for r in out["throughput"]),
+    )
     if "quickstart" in out:
-        q = Table(title=f"quickstart ({args.quickstart_steps} steps), end to end")
-        for col in ("engine", "wall s", "RL s", "s/step", "sampled acc before -> after", "tokens discarded"):
-            q.add_column(col)
-        for k in ("torch_engine", "vllm"):
-            if k in out["quickstart"]:
-                r = out["quickstart"][k]
-                q.add_row(k, str(r["wall_s"]), str(r["rl_s"]), str(r["s_per_step"]),
-                          f"{r['sampled_before']:.3f} -> {r['sampled_after']:.3f}", str(r["tokens_discarded"]))
-        Console().print(q)
+        qs = out["quickstart"]
+        print_table(
+            f"quickstart ({args.quickstart_steps} steps), end to end",
+            ("engine", "wall s", "RL s", "s/step", "sampled acc before -> after", "tokens discarded"),
+            ((k, r["wall_s"], r["rl_s"], r["s_per_step"], f"{r['sampled_before']:.3f} -> {r['sampled_after']:.3f}",
+              r["tokens_discarded"]) for k in ("torch_engine", "vllm") if (r := qs.get(k)) is not None),
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
