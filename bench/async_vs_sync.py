@@ -57,6 +57,17 @@ MODES: dict[str, dict] = {
     "eta4-push2": {"controller": {"max_staleness": 4}, "trainer": {"push_every": 2}},
     "eta8-push2": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 2}},
     "eta8-push4": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4}},
+    "eta12-push4": {"controller": {"max_staleness": 12}, "trainer": {"push_every": 4}},
+    "eta16-push4": {"controller": {"max_staleness": 16}, "trainer": {"push_every": 4}},
+    "eta16-push8": {"controller": {"max_staleness": 16}, "trainer": {"push_every": 8}},
+    # The same task and warm start, another seed for the RL run only (sampling, prompt order): how
+    # much of a difference between modes is one run's luck.
+    "sync-seed1": {"controller": {"max_staleness": 0}, "seed": 1},
+    "sync-seed2": {"controller": {"max_staleness": 0}, "seed": 2},
+    "eta4-seed1": {"controller": {"max_staleness": 4}, "seed": 1},
+    # AReaL's cap on the behaviour weight pi_prox/pi_behav (tokens above it leave the loss).
+    "eta4-cap2": {"controller": {"max_staleness": 4}, "trainer": {"behav_imp_weight_cap": 2.0}},
+    "eta8-push4-cap2": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "behav_imp_weight_cap": 2.0}},
     # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
     # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
     "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},
@@ -154,7 +165,10 @@ def _sft_step(model, tok, batch: list[dict], rng: random.Random, enc, scale: flo
 def run_mode(name: str, overrides: dict, base: dict) -> dict:
     cfg = json.loads(json.dumps(base))
     for sec, vals in overrides.items():
-        cfg.setdefault(sec, {}).update(vals)
+        if isinstance(vals, dict):
+            cfg.setdefault(sec, {}).update(vals)
+        else:  # a top-level key, e.g. the run's seed
+            cfg[sec] = vals
     cfg["run_dir"] = str(Path(base["run_dir"]) / name)
     t0 = time.perf_counter()
     summary = asyncio.run(run(config_from_dict(cfg), show_progress=False, log=lambda *_: None))
