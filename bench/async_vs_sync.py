@@ -68,6 +68,9 @@ MODES: dict[str, dict] = {
     # AReaL's cap on the behaviour weight pi_prox/pi_behav (tokens above it leave the loss).
     "eta4-cap2": {"controller": {"max_staleness": 4}, "trainer": {"behav_imp_weight_cap": 2.0}},
     "eta8-push4-cap2": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "behav_imp_weight_cap": 2.0}},
+    # The other losses at η = 4: truncated importance sampling, and PPO against the behaviour policy.
+    "eta4-tis": {"controller": {"max_staleness": 4}, "trainer": {"loss": "tis"}},
+    "eta4-grpo": {"controller": {"max_staleness": 4}, "trainer": {"loss": "grpo"}},
     # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
     # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
     "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},
