@@ -201,9 +201,11 @@ def run_mode(name: str, overrides: dict, base: dict) -> dict:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Speedups within one round: against that round's sync run, and its fastest sync variant."""
+    """Speedups within one round: against that round's sync run, and its fastest sync variant (another
+    loop or thread count; not another run seed, which is another experiment)."""
     sync = next((r for r in rows if r["mode"] == "sync"), None)
-    best_sync = min((r for r in rows if r["mode"].startswith("sync")), key=lambda r: r["wall_s"], default=None)
+    variants = [r for r in rows if r["mode"].startswith("sync") and "seed" not in r.get("settings", {})]
+    best_sync = min(variants, key=lambda r: r["wall_s"], default=None)
     for r in rows:
         r["speedup_vs_sync"] = round(sync["wall_s"] / r["wall_s"], 2) if sync else None
         r["speedup_vs_best_sync"] = round(best_sync["wall_s"] / r["wall_s"], 2) if best_sync else None
