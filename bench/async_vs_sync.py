@@ -71,6 +71,8 @@ MODES: dict[str, dict] = {
     # The other losses at η = 4: truncated importance sampling, and PPO against the behaviour policy.
     "eta4-tis": {"controller": {"max_staleness": 4}, "trainer": {"loss": "tis"}},
     "eta4-grpo": {"controller": {"max_staleness": 4}, "trainer": {"loss": "grpo"}},
+    "eta8-push4-tis": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "loss": "tis"}},
+    "eta8-push4-grpo": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "loss": "grpo"}},
     # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
     # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
     "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},
