@@ -73,6 +73,7 @@ MODES: dict[str, dict] = {
     "eta4-grpo": {"controller": {"max_staleness": 4}, "trainer": {"loss": "grpo"}},
     "eta8-push4-tis": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "loss": "tis"}},
     "eta8-push4-grpo": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "loss": "grpo"}},
+    "eta8-grpo": {"controller": {"max_staleness": 8}, "trainer": {"loss": "grpo"}},
     # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
     # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
     "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},
