@@ -88,8 +88,9 @@ MODES: dict[str, dict] = {
     "eta4-trainer-thread": {"controller": {"max_staleness": 4}, "trainer": {"own_process": False}},
 }
 # What a plain run compares: sync (both loops), η = 1, 2, 4, 8 with exact resume, η = 8 pushing every
-# 4th step, and η = 4 restarting interrupted samples (`discard`). The rest are for A/B experiments.
-DEFAULT_MODES = ("sync", "sync-whole", "eta1", "eta2", "eta4", "eta8", "eta8-push4", "eta4-discard")
+# 4th step (with the decoupled loss, and with grpo, whose clip brakes the drift to longer thoughts),
+# and η = 4 restarting interrupted samples (`discard`). The rest are for A/B experiments.
+DEFAULT_MODES = ("sync", "sync-whole", "eta1", "eta2", "eta4", "eta8", "eta8-push4", "eta8-push4-grpo", "eta4-discard")
 
 
 # Tail shapes: (fraction of long answers, repeat range of long answers, model context, max_new_tokens).
