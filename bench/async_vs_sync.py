@@ -74,6 +74,13 @@ MODES: dict[str, dict] = {
     "eta8-push4-tis": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "loss": "tis"}},
     "eta8-push4-grpo": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "loss": "grpo"}},
     "eta8-grpo": {"controller": {"max_staleness": 8}, "trainer": {"loss": "grpo"}},
+    # Four optimizer steps per batch (`trainer.ppo_minibatches: 4`, AReaL's ppo_n_minibatches): the
+    # ratio to pi_prox moves from the second step on, so decoupled PPO's clip can bind.
+    "sync-mb4": {"controller": {"max_staleness": 0}, "trainer": {"ppo_minibatches": 4}},
+    "eta4-mb4": {"controller": {"max_staleness": 4}, "trainer": {"ppo_minibatches": 4}},
+    "eta8-push4-mb4": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "ppo_minibatches": 4}},
+    "eta8-push4-grpo-mb4": {"controller": {"max_staleness": 8},
+                            "trainer": {"push_every": 4, "loss": "grpo", "ppo_minibatches": 4}},
     # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
     # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
     "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},

@@ -30,3 +30,21 @@ def length_buckets(
         buckets[-1].append(i)
         real += n
     return buckets
+
+
+def balanced_parts(weights: list[int], n: int) -> list[list[int]]:
+    """Indices of `weights` in min(n, len) parts of about equal total weight (the heaviest item first
+    into the lightest part, ties to the lower index); each part in index order.
+
+    A PPO minibatch of a long-tail batch is then about 1/n of its tokens, not 1/n of its samples.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    n = min(n, len(weights))
+    parts: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        j = min(range(n), key=lambda j: (load[j], j))
+        parts[j].append(i)
+        load[j] += weights[i]
+    return [sorted(p) for p in parts]

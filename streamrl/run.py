@@ -152,7 +152,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     settings = TrainerSettings(
         lr=tr.lr, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, device=resolve_device(tr.device),
         micro_batch_tokens=tr.micro_batch_tokens, micro_batch_padding=tr.micro_batch_padding,
-        skip_zero_advantage=tr.skip_zero_advantage, ref_model_path=base_model,
+        skip_zero_advantage=tr.skip_zero_advantage, ppo_minibatches=tr.ppo_minibatches, ref_model_path=base_model,
         # Engines report greedy logprobs at T=1, sampled ones at the rollout temperature.
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         loss=LossConfig(kind=tr.loss, clip_eps=tr.clip_eps, clip_eps_high=tr.clip_eps_high,

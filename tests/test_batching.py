@@ -1,4 +1,4 @@
-"""Length buckets shared by the engine's prefill and the trainer's micro-batches."""
+"""Length buckets shared by the engine's prefill and the trainer's micro-batches; PPO minibatch parts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from streamrl.batching import length_buckets
+from streamrl.batching import balanced_parts, length_buckets
 
 
 def _padded(lengths: list[int], bucket: list[int]) -> int:
@@ -43,3 +43,19 @@ def test_a_sequence_longer_than_the_budget_gets_a_bucket_of_its_own(max_tokens: 
 
 def test_empty() -> None:
     assert length_buckets([]) == []
+
+
+def test_balanced_parts_cover_every_index_once_with_loads_within_one_item() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        weights = [rng.choice([1, 2, 3, 5, 40, 300]) for _ in range(rng.randint(1, 40))]
+        n = rng.randint(1, 6)
+        parts = balanced_parts(weights, n)
+        assert len(parts) == min(n, len(weights))
+        assert sorted(i for p in parts for i in p) == list(range(len(weights)))
+        assert all(p == sorted(p) and p for p in parts)
+        loads = [sum(weights[i] for i in p) for p in parts]
+        assert max(loads) - min(loads) <= max(weights)
+    assert balanced_parts([300, 2, 2, 2, 300, 1], 2) == [[0, 1, 3], [2, 4, 5]]
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        balanced_parts([1], 0)

@@ -89,6 +89,7 @@ def test_data_path(tmp_path: Path) -> None:
         (["trainer.steps=abc"], "config error: trainer.steps: expected int, got 'abc'"),
         (["trainer.steps=0"], "config error: trainer.steps: expected int >= 1, got 0"),
         (["trainer.batch_groups=0"], "config error: trainer.batch_groups: expected int >= 1, got 0"),
+        (["trainer.ppo_minibatches=0"], "config error: trainer.ppo_minibatches: expected int >= 1, got 0"),
         (
             ["controller.max_staleness=-1"],
             "config error: controller.max_staleness: expected int >= 0, got -1",

@@ -189,6 +189,23 @@ async def test_weights_pushed_every_n_steps(tmp_path: Path, tiny_model_dir: Path
     assert versions <= {0, 2, 4, 6} and len(versions) > 1
 
 
+async def test_ppo_minibatches_take_several_steps_and_push_one_version(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`trainer.ppo_minibatches: 2` in a real run: one new version per batch; the pi_prox the trainer
+    records before its steps is the engines' policy (the on-policy logprob check holds on it), and
+    the ratio to it moves enough in the second step for the clip to bind."""
+    cfg = config_from_dict(small_cfg(
+        tmp_path, tiny_model_dir, controller={"max_staleness": 1},
+        data={"reward": f"{REPO / 'tests' / 'rewards_for_tests.py'}:length_reward"},
+        trainer={"steps": 4, "batch_groups": 2, "lr": 3e-2, "ppo_minibatches": 2, "loss": "decoupled_ppo"},
+    ))
+    await run(cfg, show_progress=False, log=lambda *_: None)
+    rows = read_metrics(Path(cfg.run_dir))
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    checked = [r["logprob_mismatch"] for r in rows if r["logprob_mismatch"] is not None]
+    assert checked and max(checked) < 1e-4
+    assert max(r["clip_frac"] for r in rows) > 0
+
+
 async def test_discard_mode_counts_discarded_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamrl.batching import balanced_parts
 from streamrl.trainer.losses import LossConfig
 from streamrl.trainer.trainer import Trainer, TrainerSettings
 from streamrl.types import Group, Sample
@@ -163,3 +164,95 @@ def test_a_resumed_trainer_continues_with_the_saved_optimizer_state(tiny_model_d
         assert torch.allclose(pa, pb, rtol=0, atol=1e-7)
     assert any(not torch.allclose(pa, pf, rtol=0, atol=1e-5)
                for pa, pf in zip(a.model.parameters(), fresh.model.parameters(), strict=True))
+
+
+def _stale(groups: list[Group]) -> list[Group]:
+    """Every token from version 0; fake_groups' behaviour logprobs are random, not the model's, so the
+    behaviour weight pi_prox/pi_behav is not 1."""
+    for g in groups:
+        for s in g.samples:
+            s.versions = [0] * len(s.versions)
+    return groups
+
+
+def test_minibatches_match_a_plain_pytorch_loop(tiny_model_dir: Path) -> None:
+    """ppo_minibatches=3: three AdamW steps per batch, each on a third of its tokens, every ratio
+    taken against the weights before the first (pi_prox). Checked step by step against a plain
+    per-sample computation of AReaL's eq. 5 at the trainer's own parameters of that step."""
+    groups = _stale(fake_groups(5, n_groups=4))
+    samples = [s for g in groups for s in g.samples]
+    settings = TrainerSettings(lr=3e-2, grad_clip=0.0, ppo_minibatches=3, micro_batch_tokens=40,
+                               loss=LossConfig(kind="decoupled_ppo", clip_eps=0.2))
+    t = Trainer(str(tiny_model_dir), settings)
+    t.version = 3
+    start = {k: v.clone() for k, v in t.model.state_dict().items()}
+    seen: list[tuple[dict[str, torch.Tensor], list[torch.Tensor]]] = []  # (params, grads) at each step
+    step = t.optimizer.step
+
+    def recording_step() -> None:
+        seen.append(({k: v.clone() for k, v in t.model.state_dict().items()},
+                     [p.grad.clone() for p in t.model.parameters()]))
+        step()
+
+    t.optimizer.step = recording_step  # type: ignore[method-assign]
+    stats = t.train_step(groups)
+    assert len(seen) == 3 and t.version == 4
+
+    ref = Trainer(str(tiny_model_dir), TrainerSettings(loss=LossConfig(kind="grpo")))
+    ref.model.eval()  # no dropout in the tiny model; eval only to say the reference never trains
+
+    def logp_of(s: Sample) -> torch.Tensor:  # one unpadded sequence: log p of each response token
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logits = ref.model(input_ids=ids).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        return lp[len(s.prompt_ids) - 1:]
+
+    rewards = torch.tensor([g.rewards for g in groups])
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).reshape(-1)
+    ref.model.load_state_dict(start)
+    with torch.no_grad():
+        prox = [logp_of(s) for s in samples]
+    parts = balanced_parts([s.num_tokens for s in samples], 3)
+    clipped = 0
+    for (params, grads), part in zip(seen, parts, strict=True):
+        ref.model.load_state_dict(params)
+        ref.model.zero_grad()
+        total, n = torch.zeros(()), 0
+        for i in part:
+            s = samples[i]
+            lp = logp_of(s)
+            behav = torch.tensor(s.logprobs)
+            r, w = torch.exp(lp - prox[i]), torch.exp(prox[i] - behav)
+            surr = torch.minimum(r * adv[i], r.clamp(0.8, 1.2) * adv[i])
+            clipped += int(((r.detach() - 1).abs() > 0.2).sum()) if adv[i] != 0 else 0
+            total = total - (w * surr).sum()
+            n += s.num_tokens
+        (total / n).backward()
+        for got, p in zip(grads, ref.model.parameters(), strict=True):
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().max() > 1e-4 for g in seen[2][1])
+    assert clipped > 0 and stats["clip_frac"] > 0  # the clip binds from the second step on
+
+
+def test_one_step_per_batch_never_clips_and_minibatches_in_parts_match_whole(tiny_model_dir: Path) -> None:
+    """With one step pi_theta = pi_prox, so decoupled PPO's clip cannot bind; with two it does. The
+    run loop's parts (pi_prox recorded per part, the steps at finish_step) give the same as whole."""
+    def run(n: int, parts: list[list[Group]]) -> tuple[dict, list[torch.Tensor]]:
+        t = Trainer(str(tiny_model_dir), TrainerSettings(lr=3e-2, ppo_minibatches=n,
+                                                         loss=LossConfig(kind="decoupled_ppo")))
+        for part in parts:
+            t.accumulate(part)
+        return t.finish_step(), [p.detach().clone() for p in t.model.parameters()]
+
+    groups = _stale(fake_groups(6, n_groups=4))
+    one, _ = run(1, [groups])
+    two, p_whole = run(2, [groups])
+    two_parts, p_parts = run(2, [groups[:1], groups[1:3], groups[3:]])
+    assert one["clip_frac"] == 0.0 and one["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert two["clip_frac"] > 0
+    assert set(two_parts) == set(two)
+    for k, v in two.items():
+        assert two_parts[k] == pytest.approx(v, abs=1e-5), k
+    for a, b in zip(p_whole, p_parts, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -174,6 +174,11 @@ class TrainerConfig(_Section):
         "fewer interruptions of samples in flight; the engines lag up to N-1 versions (needs "
         "controller.max_staleness >= N-1)", ge=1,
     )] = 1
+    ppo_minibatches: Annotated[int, _d(
+        "optimizer steps per batch, each on about 1/N of its tokens (AReaL's ppo_n_minibatches); pi_prox is the "
+        "weights before the first, so decoupled_ppo/tis clip against it from the second on; 1 = one step, "
+        "where that clip never binds", ge=1,
+    )] = 1
     stream_batch: Annotated[bool, _d(
         "compute a batch's groups as soon as they may be trained, while its overdue ones still generate "
         "(the same update); false = wait for the whole batch, then compute"

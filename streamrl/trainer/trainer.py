@@ -1,4 +1,4 @@
-"""The policy trainer: one optimizer step per batch of groups, and the weights that go back to engines.
+"""The policy trainer: optimizer steps on batches of groups, and the weights that go back to engines.
 
 `train_step(groups)` is synchronous torch code; the run loop calls it in the trainer's own worker
 thread (with its own torch thread count) so that generation keeps going on the event loop meanwhile.
@@ -7,6 +7,10 @@ weights have not moved yet, its detached value *is* the proximal policy pi_prox 
 -> loss (GRPO / decoupled PPO / TIS) -> AdamW with gradient clipping -> version + 1. A step's batch
 may come in parts (`accumulate` per part, then `finish_step`), so the trainer starts on the groups
 that are ready while the rest of its batch is still generating.
+With `ppo_minibatches` n > 1 (AReaL's ppo_n_minibatches) a batch takes n optimizer steps instead: a
+no-grad forward per part records pi_prox, then each minibatch is a forward/backward and a step whose
+ratio pi_theta/pi_prox moves away from 1 after the first, so decoupled PPO's clip can bind. The
+engines still get one new version per batch.
 The mismatch between recomputed and behaviour logprobs of tokens produced by the *current* version is
 logged: on-policy it must be ~0, a built-in check that engine and trainer compute the same model.
 
@@ -16,14 +20,15 @@ The trainer knows nothing about engines, HTTP or Ray: it returns tensors and num
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..batching import length_buckets
+from ..batching import balanced_parts, length_buckets
 from ..types import Group, Sample
-from .logprobs import pack_samples, token_logprobs
+from .logprobs import Batch, pack_samples, token_logprobs
 from .losses import LossConfig, group_advantages, policy_loss
 
 
@@ -43,6 +48,9 @@ class TrainerSettings:
     # forward/backward leaves the same update (up to float summation order) and saves their compute.
     # Ignored with a KL term, which does depend on them.
     skip_zero_advantage: bool = True
+    # Optimizer steps per batch. 1: pi_theta = pi_prox at the only step, so the decoupled/TIS clip
+    # never binds (docs/async.md). n > 1 costs one extra no-grad forward per sample.
+    ppo_minibatches: int = 1
 
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -54,6 +62,8 @@ class _Step:
 
     samples: list[Sample] = field(default_factory=list)
     rewards: list[torch.Tensor] = field(default_factory=list)
+    adv: list[torch.Tensor] = field(default_factory=list)  # per part, one per sample
+    prox: dict[int, torch.Tensor] = field(default_factory=dict)  # ppo_minibatches > 1: sample -> pi_prox
     n_loss: int = 0  # trainable tokens of every sample (the loss's denominator)
     n_trained: int = 0  # of those, the tokens actually computed (samples with a non-zero advantage)
     computed_samples: int = 0
@@ -122,43 +132,68 @@ class Trainer:
             # so AdamW steps exactly as it would on the all-zero gradient of the full batch.
             self.optimizer.zero_grad(set_to_none=False)
         acc = self._acc
-        cfg = self.settings.loss
         samples = [s for g in groups for s in g.samples]
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, n]
         adv = group_advantages(rewards).reshape(-1)  # [G*n]; per group, so parts are independent
+        base = len(acc.samples)
         acc.samples += samples
         acc.rewards.append(rewards.reshape(-1))
+        acc.adv.append(adv)
         acc.n_loss += sum(sum(s.loss_mask) for s in samples)  # the denominator counts skipped samples too
         skip = self.settings.skip_zero_advantage and self.ref_model is None
         nonzero = (adv != 0).tolist()
         trained = [i for i in range(len(samples)) if nonzero[i] or not skip]
         acc.n_trained += sum(sum(samples[i].loss_mask) for i in trained)
         acc.computed_samples += len(trained)
-        for mb in self.micro_batches([len(samples[i].prompt_ids) + samples[i].num_tokens for i in trained]):
-            idx = [trained[j] for j in mb]
-            batch = pack_samples([samples[i] for i in idx], self.pad_id, self.device)
-            mask = batch.response_mask  # [b, T]
-            logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.settings.temperature)
-            prox = logp.detach()  # weights have not moved yet: this *is* pi_prox
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask,
-                                         self.settings.temperature)
-            loss, stats = policy_loss(
-                logp, batch.behav_logp, adv[idx].to(self.device), mask, cfg,
-                prox_logp=None if cfg.kind == "grpo" else prox, ref_logp=ref,
-            )
-            # Token-level loss over the whole batch: each micro-batch weighs by its share of tokens,
-            # n_mb / n_loss; the division comes in finish_step.
-            n_mb = int(mask.sum())
-            (loss * n_mb).backward()
-            for k, v in stats.items():
-                if k != "num_tokens":  # a count, not a mean: `computed_tokens` is the step's
-                    acc.stat_sums[k] = acc.stat_sums.get(k, 0.0) + v * n_mb
-            cur = mask & (batch.versions == self.version)
-            diff = (prox - batch.behav_logp).abs()
-            acc.sums += torch.stack([(diff * cur).sum(), cur.sum(), (diff * mask).sum()]).double().cpu()
+        if self.settings.ppo_minibatches == 1:
+            for sel, batch in self._packed(samples, trained):
+                self._loss_backward(acc, batch, adv[sel], None)
+            return
+        # Several steps per batch: pi_prox is these weights before the first of them, kept per sample.
+        with torch.no_grad():
+            for sel, batch in self._packed(samples, trained):
+                logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.settings.temperature)
+                self._count_mismatch(acc, logp, batch)
+                for row, i in enumerate(sel):
+                    start = len(samples[i].prompt_ids)
+                    acc.prox[base + i] = logp[row, start : start + samples[i].num_tokens].clone()
+
+    def _packed(self, samples: list[Sample], idx: list[int]) -> Iterator[tuple[list[int], Batch]]:
+        """`samples[idx]` in length-bucketed micro-batches: (their indices, the packed batch)."""
+        for mb in self.micro_batches([len(samples[i].prompt_ids) + samples[i].num_tokens for i in idx]):
+            sel = [idx[j] for j in mb]
+            yield sel, pack_samples([samples[i] for i in sel], self.pad_id, self.device)
+
+    def _loss_backward(self, acc: _Step, batch: Batch, adv: torch.Tensor, prox: torch.Tensor | None) -> None:
+        """Forward with grad, the policy loss, backward. `prox` None: the weights have not moved in this
+        step, so this forward's own detached logprobs *are* pi_prox (no second forward)."""
+        cfg = self.settings.loss
+        mask = batch.response_mask  # [b, T]
+        logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.settings.temperature)
+        if prox is None:
+            prox = logp.detach()
+            self._count_mismatch(acc, prox, batch)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask, self.settings.temperature)
+        loss, stats = policy_loss(
+            logp, batch.behav_logp, adv.to(self.device), mask, cfg,
+            prox_logp=None if cfg.kind == "grpo" else prox, ref_logp=ref,
+        )
+        # Token-level loss over the whole batch (or minibatch): each micro-batch weighs by its share of
+        # tokens, n_mb / n_loss; the division comes with the optimizer step.
+        n_mb = int(mask.sum())
+        (loss * n_mb).backward()
+        for k, v in stats.items():
+            if k != "num_tokens":  # a count, not a mean: `computed_tokens` is the step's
+                acc.stat_sums[k] = acc.stat_sums.get(k, 0.0) + v * n_mb
+
+    def _count_mismatch(self, acc: _Step, prox: torch.Tensor, batch: Batch) -> None:
+        mask = batch.response_mask
+        cur = mask & (batch.versions == self.version)
+        diff = (prox - batch.behav_logp).abs()
+        acc.sums += torch.stack([(diff * cur).sum(), cur.sum(), (diff * mask).sum()]).double().cpu()
 
     def finish_step(self) -> dict[str, float]:
         """The optimizer step on everything accumulated since the last one; version + 1."""
@@ -166,15 +201,11 @@ class Trainer:
         if acc is None:
             raise RuntimeError("finish_step without accumulate: no groups to train on")
         n_loss, n_trained = acc.n_loss, acc.n_trained
-        for p in self.model.parameters():
-            if p.grad is None:  # never computed yet (first step, everything skipped)
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.div_(max(n_loss, 1))
-        # max_norm=inf measures the norm without clipping (grad_clip 0 = off).
-        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        self.optimizer.step()
+        if self.settings.ppo_minibatches == 1:
+            norms = [self._optimizer_step(n_loss)]
+        else:
+            norms = [self._minibatch_step(acc, idx) for idx in self._minibatches(acc) or [[]]]
+        grad_norm = sum(norms) / len(norms)
         st_sum, st_max = _staleness(acc.samples, self.version)
         self.version += 1
         d, n_cur, d_all = (float(x) for x in acc.sums)
@@ -194,6 +225,34 @@ class Trainer:
             computed_tokens=n_trained,
         )
         return agg
+
+    def _optimizer_step(self, n_loss: int) -> float:
+        """Gradients summed over `n_loss` tokens -> their mean, clipped; one AdamW step; the norm."""
+        for p in self.model.parameters():
+            if p.grad is None:  # never computed yet (first step, everything skipped)
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.div_(max(n_loss, 1))
+        # max_norm=inf measures the norm without clipping (grad_clip 0 = off).
+        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        return grad_norm
+
+    def _minibatches(self, acc: _Step) -> list[list[int]]:
+        return balanced_parts([sum(s.loss_mask) for s in acc.samples], self.settings.ppo_minibatches)
+
+    def _minibatch_step(self, acc: _Step, idx: list[int]) -> float:
+        """One optimizer step on the minibatch `idx`, its ratio taken against the stored pi_prox."""
+        self.optimizer.zero_grad(set_to_none=False)
+        adv = torch.cat(acc.adv)
+        for sel, batch in self._packed(acc.samples, [i for i in idx if i in acc.prox]):
+            prox = torch.zeros_like(batch.behav_logp)
+            for row, i in enumerate(sel):
+                start = len(acc.samples[i].prompt_ids)
+                prox[row, start : start + acc.samples[i].num_tokens] = acc.prox[i]
+            self._loss_backward(acc, batch, adv[sel], prox)
+        return self._optimizer_step(sum(sum(acc.samples[i].loss_mask) for i in idx))
 
     def state_dict_for_engines(self) -> dict[str, torch.Tensor]:
         """Detached tensors the engines copy from; valid until the next train_step mutates them."""
