@@ -212,7 +212,7 @@ def test_minibatches_match_a_plain_pytorch_loop(tiny_model_dir: Path) -> None:
     ref.model.load_state_dict(start)
     with torch.no_grad():
         prox = [logp_of(s) for s in samples]
-    parts = balanced_parts([s.num_tokens for s in samples], 3)
+    parts = balanced_parts([s.num_tokens for s in samples], 3)  # fake_groups: already in (group, index) order
     clipped = 0
     for (params, grads), part in zip(seen, parts, strict=True):
         ref.model.load_state_dict(params)
@@ -248,11 +248,14 @@ def test_one_step_per_batch_never_clips_and_minibatches_in_parts_match_whole(tin
     groups = _stale(fake_groups(6, n_groups=4))
     one, _ = run(1, [groups])
     two, p_whole = run(2, [groups])
-    two_parts, p_parts = run(2, [groups[:1], groups[1:3], groups[3:]])
+    # Parts in another order than the whole: the steps' split does not follow arrival order.
+    two_parts, p_parts = run(2, [groups[3:], groups[:1], groups[1:3]])
     assert one["clip_frac"] == 0.0 and one["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert two["clip_frac"] > 0
     assert set(two_parts) == set(two)
     for k, v in two.items():
         assert two_parts[k] == pytest.approx(v, abs=1e-5), k
+    # Parameters after two AdamW steps: float summation noise on near-zero gradients shows up as up
+    # to ~1e-4 here; a step on other samples (a split in arrival order) moves them by ~1e-1.
     for a, b in zip(p_whole, p_parts, strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
+        assert torch.allclose(a, b, atol=1e-3)

@@ -240,7 +240,11 @@ class Trainer:
         return grad_norm
 
     def _minibatches(self, acc: _Step) -> list[list[int]]:
-        return balanced_parts([sum(s.loss_mask) for s in acc.samples], self.settings.ppo_minibatches)
+        """The batch split for its optimizer steps. Split in (group, index) order, not arrival order, so
+        that which samples share a step does not depend on which part of the batch came in first."""
+        order = sorted(range(len(acc.samples)), key=lambda i: (acc.samples[i].group_id, acc.samples[i].index))
+        parts = balanced_parts([sum(acc.samples[i].loss_mask) for i in order], self.settings.ppo_minibatches)
+        return [sorted(order[j] for j in part) for part in parts]
 
     def _minibatch_step(self, acc: _Step, idx: list[int]) -> float:
         """One optimizer step on the minibatch `idx`, its ratio taken against the stored pi_prox."""
