@@ -204,7 +204,8 @@ class Trainer:
         if self.settings.ppo_minibatches == 1:
             norms = [self._optimizer_step(n_loss)]
         else:
-            norms = [self._minibatch_step(acc, idx) for idx in self._minibatches(acc) or [[]]]
+            adv = torch.cat(acc.adv)
+            norms = [self._minibatch_step(acc, adv, idx) for idx in self._minibatches(acc) or [[]]]
         grad_norm = sum(norms) / len(norms)
         st_sum, st_max = _staleness(acc.samples, self.version)
         self.version += 1
@@ -246,10 +247,9 @@ class Trainer:
         parts = balanced_parts([sum(acc.samples[i].loss_mask) for i in order], self.settings.ppo_minibatches)
         return [sorted(order[j] for j in part) for part in parts]
 
-    def _minibatch_step(self, acc: _Step, idx: list[int]) -> float:
+    def _minibatch_step(self, acc: _Step, adv: torch.Tensor, idx: list[int]) -> float:
         """One optimizer step on the minibatch `idx`, its ratio taken against the stored pi_prox."""
         self.optimizer.zero_grad(set_to_none=False)
-        adv = torch.cat(acc.adv)
         for sel, batch in self._packed(acc.samples, [i for i in idx if i in acc.prox]):
             prox = torch.zeros_like(batch.behav_logp)
             for row, i in enumerate(sel):
