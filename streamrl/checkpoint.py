@@ -1,11 +1,11 @@
-"""Checkpoints of a run, taken between two steps, and continuing a run from one (`trainer.resume_from`).
+"""Checkpoints of a run, taken between two steps, and continuing a run from one (`schedule.resume_from`).
 
 A checkpoint folder (`RUN_DIR/checkpoints/step-N/`) holds everything the run loop needs to go on as
 if it had not stopped:
 
 - the policy as a Hugging Face folder (engines and the trainer load it) and `optimizer.pt` (AdamW's
   moments and step counts);
-- `rollout_state.msgpack`: the buffer's snapshot (queued groups, parked partial samples);
+- `rollout_state.msgpack`: the buffer's snapshot (queued groups);
 - `generating.msgpack`: the groups still being generated, every sample as of its last returned
   round: finished, partial (its tokens, behaviour logprobs and per-token versions so far) or not
   started;
@@ -20,28 +20,37 @@ is lost with the process that held it; nothing in the checkpoint is.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from .buffer import RolloutBuffer
-from .buffer.controller import StalenessController
+from .buffer import RolloutBuffer, StalenessController
 from .config import Config, ConfigError
 from .trainer.trainer import OPTIMIZER_FILE
 
 if TYPE_CHECKING:
-    from .rollout.manager import RolloutManager
-    from .trainer.process import TrainerProcess
-    from .trainer.trainer import Trainer
+    from .rollout import RolloutManager
+    from .trainer import TrainerProcess, TrainerThread
 
-FORMAT = 2  # 1: policy, rollout_state and state.json only (no optimizer, no generating groups)
+
+class RunParts(Protocol):
+    """What a checkpoint holds of a run (`run.Run` has these)."""
+
+    cfg: Config
+    trainer: TrainerProcess | TrainerThread
+    buffer: RolloutBuffer
+    manager: RolloutManager
+    base_model: str
+
+# 1: policy, rollout_state and state.json only (no optimizer, no generating groups). 2 wrote the
+# interrupted samples twice (in the buffer's snapshot too); a format-3 run reads them from
+# generating.msgpack only, so format 2 loads as it is.
+FORMAT = 3
 ROLLOUT_FILE, GENERATING_FILE, STATE_FILE = "rollout_state.msgpack", "generating.msgpack", "state.json"
-KEY = "trainer.resume_from"
+KEY = "schedule.resume_from"
 
 
 class RunState(msgspec.Struct, kw_only=True):
@@ -59,22 +68,21 @@ class RunState(msgspec.Struct, kw_only=True):
     base_model: str  # the policy RL started from: the KL reference of a resumed run
 
 
-async def save_checkpoint(out: Path, *, trainer: Trainer | TrainerProcess, buffer: RolloutBuffer,
-                          manager: RolloutManager, step: int, samples: int, base_model: str,
-                          executor: ThreadPoolExecutor) -> Path:
-    """Write a checkpoint. The rollout side is snapshotted here, on the event loop, so buffer and
-    manager agree; the model is written from the trainer's thread (idle between steps), so
-    generation goes on meanwhile."""
-    rollout_state = buffer.state_dict()
-    generating, counters = manager.snapshot()
+async def save_checkpoint(r: RunParts, step: int) -> Path:
+    """Write `RUN_DIR/checkpoints/step-N` between two steps. The rollout side is snapshotted here, on
+    the event loop, so buffer and manager agree; the model is written by the trainer (idle between
+    steps), so generation goes on meanwhile."""
+    out = Path(r.cfg.run_dir) / "checkpoints" / f"step-{step}"
+    rollout_state = r.buffer.state_dict()
+    generating, counters = r.manager.snapshot()
     state = RunState(
-        format=FORMAT, step=step, version=trainer.version, samples=samples, queued_groups=len(buffer),
-        partials=buffer.num_partials, generating_groups=counters["generating_groups"],
+        format=FORMAT, step=step, version=r.trainer.version, samples=r.trainer.samples, queued_groups=len(r.buffer),
+        partials=counters["partials"], generating_groups=counters["generating_groups"],
         prompts_drawn=counters["prompts_drawn"], next_seed=counters["next_seed"],
-        batch_groups=manager.controller.batch_groups, group_size=manager.settings.group_size,
-        base_model=str(Path(base_model).resolve()),  # a resumed run may start from another folder
+        batch_groups=r.cfg.schedule.batch_groups, group_size=r.cfg.rollout.group_size,
+        base_model=str(Path(r.base_model).resolve()),  # a resumed run may start from another folder
     )
-    await asyncio.get_running_loop().run_in_executor(executor, lambda: trainer.save(out, optimizer=True))
+    await r.trainer.save(out, optimizer=True)
     (out / ROLLOUT_FILE).write_bytes(rollout_state)
     (out / GENERATING_FILE).write_bytes(generating)
     (out / STATE_FILE).write_text(json.dumps(msgspec.to_builtins(state), indent=1))
@@ -92,10 +100,19 @@ class Resume:
     def optimizer(self) -> Path:
         return self.path / OPTIMIZER_FILE
 
+    def trainer_state(self) -> dict[str, Any]:
+        """Where the trainer goes on from: its version, samples trained, AdamW's state."""
+        return {"version": self.state.version, "samples": self.state.samples, "optimizer_state": self.optimizer}
+
+    def start(self, run_dir: Path, log: Any) -> tuple[str, str, dict[str, Any]]:
+        """A run resumed from here: its outputs cut back to this step; (model folder, base model, summary)."""
+        log(f"resuming from {self.path} (step {self.state.step})")
+        continue_outputs(run_dir, self.state.step, self.state.batch_groups)
+        return str(self.path), self.state.base_model, {"run_dir": str(run_dir), "model_dir": str(self.path)}
+
     def restore(self, buffer: RolloutBuffer, controller: StalenessController, manager: RolloutManager) -> dict[str, Any]:
         """Put the rollout side back as it was; call before the manager runs. Returns counts to report."""
         buffer.load_state_dict((self.path / ROLLOUT_FILE).read_bytes())
-        buffer.take_partials()  # the generating groups hold these samples; the manager parks them again
         s = self.state
         generating = manager.restore((self.path / GENERATING_FILE).read_bytes(), prompts_drawn=s.prompts_drawn,
                                      next_seed=s.next_seed)
@@ -108,20 +125,20 @@ class Resume:
 
 
 def load_resume(cfg: Config) -> Resume | None:
-    """Read `trainer.resume_from` (None when unset); a checkpoint that cannot continue this config is a
+    """Read `schedule.resume_from` (None when unset); a checkpoint that cannot continue this config is a
     ConfigError naming the key that disagrees."""
-    where = cfg.trainer.resume_from
+    where = cfg.schedule.resume_from
     if where is None:
         return None
     path = Path(where)
-    hint = "a checkpoint is a folder RUN_DIR/checkpoints/step-N (written with trainer.save_every)"
+    hint = "a checkpoint is a folder RUN_DIR/checkpoints/step-N (written with schedule.save_every)"
     if not (path / STATE_FILE).is_file():
         raise ConfigError(KEY, f"'{where}' is not a checkpoint folder (no {STATE_FILE}); {hint}")
     try:
         raw = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(KEY, f"cannot read '{path / STATE_FILE}': {e}") from None
-    if raw.get("format", 1) < FORMAT:
+    if raw.get("format", 1) < 2:
         raise ConfigError(KEY, f"'{where}' was written by an older streamrl without the optimizer state and the "
                                "groups being generated; it cannot be resumed (its policy loads as model.path)")
     try:
@@ -131,12 +148,13 @@ def load_resume(cfg: Config) -> Resume | None:
     missing = [f for f in (OPTIMIZER_FILE, ROLLOUT_FILE, GENERATING_FILE, "config.json") if not (path / f).is_file()]
     if missing:
         raise ConfigError(KEY, f"'{where}' is incomplete: no {', '.join(missing)}")
-    if state.step >= cfg.trainer.steps:
-        raise ConfigError("trainer.steps", f"the checkpoint is at step {state.step}; set trainer.steps above it "
-                                           f"to train on (got {cfg.trainer.steps})")
-    if state.batch_groups != cfg.trainer.batch_groups:
-        raise ConfigError("trainer.batch_groups", f"the checkpoint's run used {state.batch_groups}; a resumed run "
-                                                  f"keeps it (got {cfg.trainer.batch_groups})")
+    sched = cfg.schedule
+    if state.step >= sched.steps:
+        raise ConfigError("schedule.steps", f"the checkpoint is at step {state.step}; set schedule.steps above it "
+                                            f"to train on (got {sched.steps})")
+    if state.batch_groups != sched.batch_groups:
+        raise ConfigError("schedule.batch_groups", f"the checkpoint's run used {state.batch_groups}; a resumed run "
+                                                   f"keeps it (got {sched.batch_groups})")
     if state.group_size != cfg.rollout.group_size:
         raise ConfigError("rollout.group_size", f"the checkpoint's run used {state.group_size}; a resumed run "
                                                 f"keeps it (got {cfg.rollout.group_size})")

@@ -27,14 +27,15 @@ def _run_config_command(args: argparse.Namespace, make_coro, report) -> int:  # 
     from .procs import EngineStartError
     from .rollout import RolloutFailed
     from .rollout.ray_serve_pool import RayStartError
+    from .trainer import TrainerFailed
 
     try:
         result = _run_async(make_coro(cfg, not args.no_progress and sys.stderr.isatty()))
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
-    except (RayStartError, EngineStartError, RolloutFailed) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (RayStartError, EngineStartError, RolloutFailed, TrainerFailed) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     report(result)
     return 0
@@ -44,7 +45,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .run import run
 
     if args.resume:
-        args.set = [*(args.set or []), f"trainer.resume_from={args.resume}"]
+        args.set = [*(args.set or []), f"schedule.resume_from={args.resume}"]
 
     return _run_config_command(args, lambda cfg, progress: run(cfg, show_progress=progress), _print_summary)
 
@@ -53,7 +54,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     from .rollout_only import rollout_only
 
     def make(cfg, progress):  # noqa: ANN001, ANN202
-        groups = args.groups if args.groups is not None else cfg.trainer.batch_groups
+        groups = args.groups if args.groups is not None else cfg.schedule.batch_groups
         return rollout_only(cfg, groups=groups, out=Path(args.out) if args.out else None, show_progress=progress)
 
     return _run_config_command(args, make, _print_rollout_summary)
@@ -201,12 +202,6 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from .engine.http.server import main as serve_main
-
-    return int(serve_main(args.rest) or 0)
-
-
 def _cmd_config(args: argparse.Namespace) -> int:
     from .config import ConfigError, describe_config, load_config
 
@@ -262,9 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train: rollouts -> buffer -> trainer -> new weights",
                        description="Train from a YAML config. `streamrl config` lists every key.")
     p.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. trainer.steps=50")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. schedule.steps=50")
     p.add_argument("--resume", metavar="CHECKPOINT",
-                   help="continue from a checkpoint folder, RUN_DIR/checkpoints/step-N (= --set trainer.resume_from=...)")
+                   help="continue from a checkpoint folder, RUN_DIR/checkpoints/step-N (= --set schedule.resume_from=...)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.set_defaults(fn=_cmd_run)
 
@@ -274,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. rollout.temperature=0.7")
     p.add_argument("--groups", type=_positive_int, default=None,
-                   help="groups to generate (default: trainer.batch_groups, one training batch)")
+                   help="groups to generate (default: schedule.batch_groups, one training batch)")
     p.add_argument("--out", default=None, help="JSONL file for the groups (default: RUN_DIR/rollouts.jsonl)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.set_defaults(fn=_cmd_rollout)
@@ -299,10 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine_idle_frac,trainer_wait_s)")
     p.set_defaults(fn=_cmd_plot)
 
-    p = sub.add_parser("serve", help="an SGLang-compatible HTTP server for a model (see docs/http.md)",
-                       add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=_cmd_serve)
+    # `streamrl serve ...` goes to the server's own parser whole (see `main`); listed here for --help.
+    sub.add_parser("serve", help="an SGLang-compatible HTTP server for a model (`streamrl serve --help`, docs/http.md)")
 
     p = sub.add_parser("init-model", help="write a tiny random HF model folder (offline)")
     p.add_argument("dir")
@@ -328,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its options (--model, --port, ...) are the server's: parsed there
+        from .engine.http.server import main as serve_main
+
+        return int(serve_main(argv[1:], prog="streamrl serve") or 0)
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))

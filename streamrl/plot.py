@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 DEFAULT_METRICS = ("reward_mean", "staleness_mean", "engine_idle_frac", "trainer_wait_s")
 X_AXES = {"wall_s": "wall time of training (s)", "step": "step", "samples": "samples trained"}
@@ -81,3 +82,13 @@ def plot_runs(runs: Mapping[str, Path], out: Path, *, x: str = "wall_s",
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_run(run_dir: Path, log: Any = print) -> str | None:
+    """`RUN_DIR/metrics.png` at the end of a run; a plot that cannot be drawn is a warning, never a
+    failed run (its results are already written)."""
+    try:
+        return str(plot_runs({run_dir.name: run_dir}, run_dir / "metrics.png", title=f"streamrl run: {run_dir}"))
+    except Exception as e:  # noqa: BLE001
+        log(f"warning: no metrics.png ({type(e).__name__}: {e})")
+        return None

@@ -1,4 +1,5 @@
-"""Child-process helpers shared by everything streamrl launches (engine servers, sglang-router, vLLM)."""
+"""Process helpers: stopping the children streamrl launches (engine servers, sglang-router, vLLM), free
+ports, and the driver's own garbage-collection policy (`quiet_gc`)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def quiet_gc() -> None:
+    """Collect less in a process that holds many live records (every sample in flight and queued).
+
+    What exists now (torch, transformers, the models: millions of objects that never die) leaves the
+    collector's walks, and young objects are collected every 10,000 allocations instead of 700: with
+    tens of thousands of samples in flight, each of a handful of lists, the default thresholds make
+    the collector the driver's largest cost (docs/benchmarks.md, bench/overhead.py)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)

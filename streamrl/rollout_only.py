@@ -18,13 +18,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .buffer import RolloutBuffer
-from .buffer.controller import StalenessController
-from .builders import build_pool, check_context, load_task, prepare_model, vllm_python
-from .config import Config, dump_config
-from .rollout.manager import RolloutManager, RolloutSettings
+from .buffer import RolloutBuffer, StalenessController
+from .config import BufferConfig, Config, dump_config
+from .rollout import RolloutManager, build_pool, preflight
+from .tasks import load_task, prepare_model
 from .types import Group, encode_jsonl
 
 
@@ -37,52 +37,41 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
         raise ValueError(f"groups must be >= 1, got {groups}")
     from transformers import AutoTokenizer
 
-    task = load_task(cfg)  # first: a bad dataset or reward spec stops before any work
-    if cfg.engines.backend == "vllm" and not cfg.engines.urls:
-        vllm_python(cfg)
+    task = load_task(cfg.data, seed=cfg.seed)  # first: a bad dataset or reward spec stops before any work
+    preflight(cfg.engines)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    dump_config(cfg, run_dir / "config.yaml")
     out = out or run_dir / "rollouts.jsonl"
-    model_dir, _ = prepare_model(cfg, log)
-    check_context(cfg, model_dir, task)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pool = build_pool(cfg, model_dir)
-    bg = cfg.trainer.batch_groups
+    model_dir, _ = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, log=log)
+    bg = cfg.schedule.batch_groups
     # The version never moves, so admission is bounded by the budget alone: a staleness bound of
     # ceil(groups / batch_groups) versions lets all of them start (still capped by max_concurrent_groups).
-    ctl = StalenessController(batch_groups=bg, max_staleness=-(-groups // bg), max_groups=groups,
-                              max_concurrent_groups=cfg.rollout.max_concurrent_groups)
-    buffer = RolloutBuffer(priority="fifo")
-    ro = cfg.rollout
-    manager = RolloutManager(
-        pool=pool, tokenizer=tokenizer, prompts=task.train, reward_fn=task.reward_fn, buffer=buffer,
-        controller=ctl, seed=cfg.seed, max_failed_in_a_row=groups,
-        settings=RolloutSettings(group_size=ro.group_size, max_new_tokens=ro.max_new_tokens,
-                                 temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, partial=ro.partial),
-    )
+    ctl = StalenessController(msgspec.structs.replace(cfg.controller, max_staleness=-(-groups // bg)),
+                              batch_groups=bg, max_groups=groups)
+    buffer = RolloutBuffer(BufferConfig(priority="fifo"))
+    pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed)
+    manager = RolloutManager(cfg.rollout, pool=pool, tokenizer=AutoTokenizer.from_pretrained(model_dir), task=task,
+                             buffer=buffer, controller=ctl, seed=cfg.seed, max_failed_in_a_row=groups)
+    manager.check_context(model_dir)
     done: list[Group] = []
-    producer: asyncio.Task | None = None
-    try:
-        await pool.start()
+    async with pool:
         t0 = time.perf_counter()
-        producer = asyncio.create_task(manager.run(), name="rollout-manager")
-        with out.open("wb") as f, _progress(groups, show_progress) as advance:
-            while len(done) < groups:
-                # Failed groups give their slot back and are retried, until `groups` fail in a row.
-                got = await manager.or_failure(buffer.get_batch(1))
-                f.write(encode_jsonl(got))  # as they finish: a long rollout can be read while it runs
-                f.flush()
-                done += got
-                ctl.consumed(got)
-                advance(len(got))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                producer = tg.create_task(manager.run(), name="rollout-manager")
+                with out.open("wb") as f, _progress(groups, show_progress) as advance:
+                    while len(done) < groups:
+                        # Failed groups give their slot back and are retried, until `groups` fail in a row.
+                        got = await buffer.get_batch(1)
+                        f.write(encode_jsonl(got))  # as they finish: a long rollout can be read while it runs
+                        f.flush()
+                        done += got
+                        ctl.consumed(got)
+                        advance(len(got))
+                producer.cancel()
+        except* Exception as failed:
+            raise failed.exceptions[0] from None
         wall = time.perf_counter() - t0
-    finally:
-        await manager.stop()
-        if producer is not None:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
-        await pool.aclose()
     summary = {"run_dir": str(run_dir), "model_dir": model_dir, "out": str(out), "wall_s": wall,
                "failed_groups": manager.counters.failed, **summarize(done, wall)}
     (run_dir / "rollout_summary.json").write_text(json.dumps(summary, indent=2))

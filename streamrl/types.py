@@ -8,6 +8,7 @@ or HTTP; records are msgspec Structs so they serialise cheaply to JSONL, to Ray 
 
 from __future__ import annotations
 
+from itertools import compress
 from typing import Any, Literal
 
 import msgspec
@@ -52,8 +53,7 @@ class Sample(msgspec.Struct, kw_only=True):
 
     def oldest_version(self) -> int | None:
         """Version of the oldest trainable token, or None for an empty response."""
-        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
-        return min(vs) if vs else None
+        return min(compress(self.versions, self.loss_mask), default=None)  # C loops: called per buffer wake-up
 
 
 class Group(msgspec.Struct, kw_only=True):

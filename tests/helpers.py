@@ -8,7 +8,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-STREAMRL = [sys.executable, "-m", "streamrl.cli"]
+# The installed console script, as a user runs it (`pip install -e .` puts it beside the interpreter).
+STREAMRL = [str(Path(sys.executable).parent / "streamrl")]
 REPO = Path(__file__).parents[1]
 
 

@@ -31,15 +31,15 @@ def row(mode: str, wall: float, *, discarded: int = 0, staleness: float = 0.0, s
 
 def test_speedups_are_per_round_and_the_report_takes_their_median(bench) -> None:
     rounds = [
-        [row("sync", 40.0), row("sync-whole", 44.0), row("eta4", 20.0, staleness=4)],
-        [row("sync", 30.0), row("sync-whole", 27.0), row("eta4", 20.0, staleness=3)],
-        [row("sync", 36.0), row("sync-whole", 40.0), row("eta4", 16.0, discarded=5, staleness=4)],
+        [row("sync", 40.0), row("sync-trainer2threads", 44.0), row("eta4", 20.0, staleness=4)],
+        [row("sync", 30.0), row("sync-trainer2threads", 27.0), row("eta4", 20.0, staleness=3)],
+        [row("sync", 36.0), row("sync-trainer2threads", 40.0), row("eta4", 16.0, discarded=5, staleness=4)],
     ]
     for r in rounds:
         bench.add_speedups(r)
     # Each against its own round's sync: 2.0, 1.5, 2.25; and against that round's faster sync.
     assert [r[2]["speedup_vs_sync"] for r in rounds] == [2.0, 1.5, 2.25]
-    assert rounds[1][2]["speedup_vs_best_sync"] == 1.35  # sync-whole ran 27 s in that round
+    assert rounds[1][2]["speedup_vs_best_sync"] == 1.35  # sync-trainer2threads ran 27 s in that round
     out = {r["mode"]: r for r in bench.summarize(rounds)}
     eta4 = out["eta4"]
     assert eta4["speedup_vs_sync"] == 2.0  # the median of the rounds' ratios, not a ratio of medians

@@ -1,10 +1,12 @@
-"""RolloutBuffer: priority order, waiting, back-pressure, accept/rejected, close, stream, save/restore."""
+"""RolloutBuffer: priority order, waiting, back-pressure, min_version and drops, close, save/restore, and
+that it holds what is queued and nothing else."""
 
 import asyncio
 
 import pytest
 
 from streamrl.buffer import BufferClosed, BufferFull, RolloutBuffer
+from streamrl.config import BufferConfig
 from streamrl.types import Group, Sample
 
 
@@ -38,18 +40,11 @@ async def test_oldest_version_uses_the_oldest_token() -> None:
 
 
 async def test_fifo() -> None:
-    buf = RolloutBuffer(priority="fifo")
+    buf = RolloutBuffer(BufferConfig(priority="fifo"))
     for gid, v in [("a", 3), ("b", 1), ("c", 2)]:
         buf.put_nowait(group(gid, v))
     assert ids(await buf.get_batch(2)) == ["a", "b"]
     assert ids(await buf.get_batch(1)) == ["c"]
-
-
-def test_bad_arguments() -> None:
-    with pytest.raises(ValueError):
-        RolloutBuffer(priority="newest")
-    with pytest.raises(ValueError):
-        RolloutBuffer(capacity=0)
 
 
 async def test_get_batch_waits_for_later_puts() -> None:
@@ -72,7 +67,7 @@ async def test_timeout_consumes_nothing() -> None:
 
 
 async def test_capacity_back_pressure() -> None:
-    buf = RolloutBuffer(capacity=2)
+    buf = RolloutBuffer(BufferConfig(capacity=2))
     await buf.put(group("a", 0))
     await buf.put(group("b", 0))
     assert buf.is_full()
@@ -88,42 +83,44 @@ async def test_capacity_back_pressure() -> None:
         await buf.get_batch(3)  # could never fill
 
 
-async def test_accept_rejects_and_reports() -> None:
+async def test_min_version_drops_and_reports_once() -> None:
     seen: list[str] = []
-    buf = RolloutBuffer(on_reject=lambda g: seen.append(g.group_id))
+    buf = RolloutBuffer(on_drop=lambda g: seen.append(g.group_id))
     for gid, v in [("old", 0), ("new1", 3), ("older", 1), ("new2", 4)]:
         buf.put_nowait(group(gid, v))
     trainer_version = 4
 
-    def fresh(g: Group) -> bool:
-        return trainer_version - g.oldest_version() <= 1
+    def fresh() -> int:  # at most one version behind the trainer
+        return trainer_version - 1
 
-    batch = await buf.get_batch(2, accept=fresh)
+    batch = await buf.get_batch(2, min_version=fresh)
     assert ids(batch) == ["new1", "new2"]
-    assert seen == ["old", "older"] and buf.total_rejected == 2
-    assert ids(buf.drain_rejected()) == ["old", "older"]
-    assert buf.drain_rejected() == []
+    assert seen == ["old", "older"] and buf.total_dropped == 2 and len(buf) == 0
+    await buf.put(group("new3", 4))
+    assert ids(await buf.get_batch(1, min_version=fresh)) == ["new3"]
+    assert seen == ["old", "older"]  # each drop reported once, and nothing of it kept
 
 
-async def test_accept_is_reapplied_while_waiting() -> None:
-    buf = RolloutBuffer(capacity=2)
+async def test_min_version_is_asked_again_while_waiting() -> None:
+    seen: list[str] = []
+    buf = RolloutBuffer(BufferConfig(capacity=2), on_drop=lambda g: seen.append(g.group_id))
     limit = {"min_version": 0}
     buf.put_nowait(group("a", 0))
-    task = asyncio.create_task(buf.get_batch(2, accept=lambda g: g.oldest_version() >= limit["min_version"]))
+    task = asyncio.create_task(buf.get_batch(2, min_version=lambda: limit["min_version"]))
     await asyncio.sleep(0)
     limit["min_version"] = 1  # the trainer moved on while the getter waited
     buf.put_nowait(group("b", 1))
     await asyncio.sleep(0)
     buf.put_nowait(group("c", 2))  # fits: "a" was rejected when the getter woke for "b"
     assert ids(await asyncio.wait_for(task, 1)) == ["b", "c"]
-    assert ids(buf.drain_rejected()) == ["a"]
+    assert seen == ["a"]
 
 
 async def test_rejection_frees_capacity() -> None:
-    buf = RolloutBuffer(capacity=1)
+    buf = RolloutBuffer(BufferConfig(capacity=1))
     buf.put_nowait(group("stale", 0))
     blocked = asyncio.create_task(buf.put(group("fresh", 5)))
-    getter = asyncio.create_task(buf.get_batch(1, accept=lambda g: g.oldest_version() > 0))
+    getter = asyncio.create_task(buf.get_batch(1, min_version=lambda: 1))
     await asyncio.wait_for(blocked, 1)
     assert ids(await asyncio.wait_for(getter, 1)) == ["fresh"]
 
@@ -150,7 +147,7 @@ async def test_close_semantics() -> None:
 
 
 async def test_close_wakes_blocked_put() -> None:
-    buf = RolloutBuffer(capacity=1)
+    buf = RolloutBuffer(BufferConfig(capacity=1))
     buf.put_nowait(group("a", 0))
     blocked = asyncio.create_task(buf.put(group("b", 0)))
     await asyncio.sleep(0)
@@ -159,68 +156,41 @@ async def test_close_wakes_blocked_put() -> None:
         await blocked
 
 
-async def test_stream() -> None:
-    buf = RolloutBuffer()
-
-    async def produce() -> None:
-        for i in range(5):
-            await buf.put(group(f"g{i}", i))
-            await asyncio.sleep(0)
-        buf.close()
-
-    producer = asyncio.create_task(produce())
-    batches = [ids(b) async for b in buf.stream(2)]
-    await producer
-    assert batches == [["g0", "g1"], ["g2", "g3"], ["g4"]]
-
-
-async def test_partials() -> None:
-    buf = RolloutBuffer()
-    s = Sample(group_id="g", prompt_ids=[1], status="partial")
-    s.append([5], [-0.1], 0)
-    buf.park_partial(s)
-    assert buf.num_partials == 1
-    assert buf.take_partials() == [s]
-    assert buf.take_partials() == [] and buf.num_partials == 0
+async def test_the_buffer_holds_what_is_queued_and_nothing_else() -> None:
+    """A long run's worth of traffic (puts, batches, drops): the snapshot grows with the queue only."""
+    buf = RolloutBuffer(on_drop=lambda g: None)
+    version = 0
+    sizes = []
+    for i in range(400):
+        buf.put_nowait(group(f"g{i}", i // 4))
+        if i % 4 == 3:
+            version = i // 4
+            await buf.get_batch(2, min_version=lambda v=version: v - 1)
+            sizes.append(len(buf.state_dict()))
+    assert len(buf) <= 6 and buf.total_dropped > 100 and buf.total_put == buf.total_got + buf.total_dropped + len(buf)
+    assert max(sizes) < 3 * min(sizes)  # 100 rounds of drops later, no bigger than after the first
 
 
 @pytest.mark.parametrize("priority", ["oldest_version", "fifo"])
 async def test_state_round_trip(priority: str) -> None:
-    buf = RolloutBuffer(priority=priority)
+    buf = RolloutBuffer(BufferConfig(priority=priority))
     for gid, v in [("a", 2), ("b", 0), ("c", 2), ("d", 1), ("e", 0)]:
         buf.put_nowait(group(gid, v))
-    await buf.get_batch(1)
-    await buf.get_batch(1, accept=lambda g: g.group_id != "c")  # "c" is rejected
-    partial = Sample(group_id="p", prompt_ids=[7, 8], status="partial", meta={"answer": "15"})
-    partial.append([1, 2], [-0.3, -0.4], 1)
-    buf.park_partial(partial)
+    oldest_first = priority == "oldest_version"
+    assert ids(await buf.get_batch(1)) == (["b"] if oldest_first else ["a"])
+    # Version-0 groups are dropped: "e" (oldest first), "b" and "e" (fifo).
+    assert ids(await buf.get_batch(1, min_version=lambda: 1)) == (["d"] if oldest_first else ["c"])
 
-    restored = RolloutBuffer(priority=priority)
+    restored = RolloutBuffer(BufferConfig(priority=priority))
     restored.load_state_dict(buf.state_dict())
-    assert len(restored) == len(buf) == 2
-    assert (restored.total_put, restored.total_got, restored.total_rejected) == (5, 2, 1)
-    assert ids(restored.drain_rejected()) == ids(buf.drain_rejected())
-    assert restored.take_partials() == buf.take_partials() == [partial]
+    assert len(restored) == len(buf) == (2 if oldest_first else 1)
+    assert (restored.total_put, restored.total_got, restored.total_dropped) == (5, 2, 1 if oldest_first else 2)
 
     # later puts tie-break after restored groups, exactly as they would have in the original
     for b in (buf, restored):
         b.put_nowait(group("f", 0))
         b.put_nowait(group("g", 2))
-    expected = ids(await buf.get_batch(4))
-    assert ids(await restored.get_batch(4)) == expected
-    if priority == "oldest_version":
-        assert expected == ["f", "d", "a", "g"]
-    else:
-        assert expected == ["d", "e", "f", "g"]
-
-
-def test_unpark_partial_takes_back_one_sample() -> None:
-    from streamrl.buffer import RolloutBuffer
-    from streamrl.types import Sample
-
-    buf = RolloutBuffer()
-    a, b = Sample(group_id="a", prompt_ids=[1]), Sample(group_id="b", prompt_ids=[1])
-    buf.park_partial(a)
-    buf.park_partial(b)
-    assert buf.unpark_partial(a) and not buf.unpark_partial(a)
-    assert buf.take_partials() == [b]
+    n = len(buf)
+    expected = ids(await buf.get_batch(n))
+    assert ids(await restored.get_batch(n)) == expected
+    assert expected == (["f", "a", "c", "g"] if oldest_first else ["d", "f", "g"])

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import processes_mentioning, quickstart_until_first_step, sigterm_and_expect_interrupted
-
-STREAMRL = [sys.executable, "-m", "streamrl.cli"]
+from helpers import (
+    STREAMRL,
+    processes_mentioning,
+    quickstart_until_first_step,
+    sigterm_and_expect_interrupted,
+)
 
 BAD_CONFIGS: list[tuple[str, list[str], str]] = [
-    ("trainer:\n  batch_groups: 0\n", [], "trainer.batch_groups"),
-    ("trainer:\n  steps: -3\n", [], "trainer.steps"),
+    ("schedule:\n  batch_groups: 0\n", [], "schedule.batch_groups"),
+    ("schedule:\n  steps: -3\n", [], "schedule.steps"),
     ("trainer:\n  stepz: 3\n", [], "trainer.stepz"),
+    ("trainer:\n  steps: 3\n", [], "trainer.steps: renamed to schedule.steps"),
+    ("", ["trainer.clip_eps=0"], "trainer.clip_eps"),
+    ("", ["trainer.behav_imp_weight_cap=0.5"], "trainer.behav_imp_weight_cap"),
+    ("", ["rollout.top_k=0"], "rollout.top_k"),
     ("engines:\n  pool: grpc\n", [], "engines.pool"),
     ("engines:\n  num_replicas: two\n", [], "engines.num_replicas"),
     ("controller:\n  max_staleness: -1\n", [], "controller.max_staleness"),
@@ -62,7 +68,7 @@ def test_run_help_and_config_reference() -> None:
     p = subprocess.run([*STREAMRL, "config"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0
     for key in ("run_dir", "model.path", "engines.pool", "engines.num_replicas", "controller.max_staleness",
-                "trainer.steps"):
+                "schedule.steps", "trainer.clip_eps"):
         assert f"{key}:" in p.stdout
 
 
@@ -70,7 +76,55 @@ def test_quickstart_config_is_valid() -> None:
     from streamrl.config import load_config
 
     cfg = load_config(str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), check_paths=False)
-    assert cfg.model.init == "tiny" and cfg.trainer.steps >= 100
+    assert cfg.model.init == "tiny" and cfg.schedule.steps >= 100
+
+
+@pytest.mark.parametrize("item", ["trainer.clip_eps=0", "trainer.behav_imp_weight_cap=0.5", "trainer.clip_eps=1.5",
+                                  "schedule.push_every=9"])
+def test_quickstart_with_a_bad_value_stops_before_the_warm_start(tmp_path: Path, item: str) -> None:
+    """The README's command with one out-of-range value: one line naming the key, exit 2, and no work
+    done (no warm start: its cache is not even created)."""
+    cache = tmp_path / "cache"
+    p = subprocess.run([*STREAMRL, "run", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+                        "--set", item, "--set", f"warm_start.cache_dir={cache}", "--set", f"run_dir={tmp_path / 'run'}",
+                        "--set", f"model.path={tmp_path / 'model'}"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"config error: {item.split('=')[0]}: ")
+    assert not cache.exists() and not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
+
+
+def test_serve_through_the_console_script(tmp_path: Path) -> None:
+    """`streamrl serve --model DIR --port 0` as docs/http.md writes it: it starts, answers, stops on SIGTERM;
+    `streamrl serve --help` lists its options."""
+    import json
+    import signal
+    import urllib.request
+
+    from streamrl.tasks import build_tiny_model
+
+    h = subprocess.run([*STREAMRL, "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert h.returncode == 0 and "--model" in h.stdout and "--api-key" in h.stdout
+    model = build_tiny_model(tmp_path / "m", preset="tiny")
+    p = subprocess.Popen([*STREAMRL, "serve", "--model", str(model), "--port", "0", "--device", "cpu"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        while "listening on" not in line:
+            assert line, "the server exited before listening"
+            line = p.stdout.readline()
+        url = line.rsplit(" ", 1)[-1].strip()
+        req = urllib.request.Request(url + "/generate", data=json.dumps(
+            {"text": "12+34=", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["meta_info"]["completion_tokens"] >= 1
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+    assert p.returncode == 0
 
 
 def test_init_model_and_generate(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ def test_yaml_and_overrides(tmp_path: Path) -> None:
     path = write(
         tmp_path,
         f"run_dir: {tmp_path}/run\nmodel:\n  path: {model}\n  init: none\n"
-        "rollout:\n  temperature: 0.5\n  group_size: 4\ntrainer:\n  lr: 1e-4\n  steps: 3\n",
+        "rollout:\n  temperature: 0.5\n  group_size: 4\ntrainer:\n  lr: 1e-4\nschedule:\n  steps: 3\n",
     )
     cfg = load_config(
         path,
@@ -86,9 +86,9 @@ def test_data_path(tmp_path: Path) -> None:
             "config error: trainer.temperature: unknown key (did you mean rollout.temperature?)",
         ),
         (["modle.path=x"], "config error: modle: unknown key (did you mean model?)"),
-        (["trainer.steps=abc"], "config error: trainer.steps: expected int, got 'abc'"),
-        (["trainer.steps=0"], "config error: trainer.steps: expected int >= 1, got 0"),
-        (["trainer.batch_groups=0"], "config error: trainer.batch_groups: expected int >= 1, got 0"),
+        (["schedule.steps=abc"], "config error: schedule.steps: expected int, got 'abc'"),
+        (["schedule.steps=0"], "config error: schedule.steps: expected int >= 1, got 0"),
+        (["schedule.batch_groups=0"], "config error: schedule.batch_groups: expected int >= 1, got 0"),
         (["trainer.ppo_minibatches=0"], "config error: trainer.ppo_minibatches: expected int >= 1, got 0"),
         (
             ["controller.max_staleness=-1"],
@@ -139,18 +139,18 @@ def test_data_path(tmp_path: Path) -> None:
         ),
         (
             ["buffer.capacity=2"],
-            "config error: buffer.capacity: must be >= trainer.batch_groups (8) or no batch can fill, got 2",
+            "config error: buffer.capacity: must be >= schedule.batch_groups (8) or no batch can fill, got 2",
         ),
         (["trainer=5"], "config error: trainer: expected a mapping of trainer settings, got 5"),
         (
-            ["trainer.steps.x=1"],
-            "config error: trainer.steps: is a value, not a section; cannot set trainer.steps.x",
+            ["schedule.steps.x=1"],
+            "config error: schedule.steps: is a value, not a section; cannot set schedule.steps.x",
         ),
         (["oops"], "config error: --set oops: expected key=value, e.g. --set rollout.temperature=0.7"),
         (["warm_start.enabled=maybe"], "config error: warm_start.enabled: expected bool, got 'maybe'"),
         (
-            ["controller.max_staleness=1", "trainer.push_every=3"],
-            "config error: trainer.push_every: must be <= controller.max_staleness + 1 (2): between two pushes "
+            ["controller.max_staleness=1", "schedule.push_every=3"],
+            "config error: schedule.push_every: must be <= controller.max_staleness + 1 (2): between two pushes "
             "the engines lag the trainer by up to push_every - 1 versions, and no group may start more than "
             "max_staleness versions before it is trained; got 3",
         ),
@@ -165,7 +165,7 @@ def test_data_path(tmp_path: Path) -> None:
         ),
         (
             ["trainer.behav_imp_weight_cap=-1"],
-            "config error: trainer.behav_imp_weight_cap: expected float > 0.0, got -1",
+            "config error: trainer.behav_imp_weight_cap: expected float > 1.0, got -1",
         ),
     ],
 )
@@ -190,12 +190,16 @@ def test_missing_model_folder(tmp_path: Path) -> None:
     [
         ("engines:\n  pol: http\n", "config error: engines.pol: unknown key (did you mean engines.pool?)"),
         ("rollout:\n  temperature: hot\n", "config error: rollout.temperature: expected float, got 'hot'"),
-        ("trainer:\n  batch_groups: 0\n", "config error: trainer.batch_groups: expected int >= 1, got 0"),
-        ("trainer:\n  steps: 1.5\n", "config error: trainer.steps: expected int, got 1.5"),
+        ("schedule:\n  batch_groups: 0\n", "config error: schedule.batch_groups: expected int >= 1, got 0"),
+        ("schedule:\n  steps: 1.5\n", "config error: schedule.steps: expected int, got 1.5"),
         (
-            "model:\n  dtype: fp8\n",
-            "config error: model.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'fp8'",
+            "engines:\n  dtype: fp8\n",
+            "config error: engines.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'fp8'",
         ),
+        ("trainer:\n  steps: 3\n", "config error: trainer.steps: renamed to schedule.steps"),
+        ("model:\n  device: cpu\n", "config error: model.device: renamed to engines.device"),
+        ("trainer:\n  stream_batch: false\n", "config error: trainer.stream_batch: removed: the trainer always "
+                                                 "computes a batch's groups as soon as they may be trained"),
         (
             "warm_start:\n  label_noise: 2\n",
             "config error: warm_start.label_noise: expected float <= 1.0, got 2",
@@ -208,7 +212,7 @@ def test_file_errors(tmp_path: Path, text: str, expected: str) -> None:
 
 
 def test_invalid_yaml_names_file_and_line(tmp_path: Path) -> None:
-    path = write(tmp_path, "trainer:\n  steps: 3\n  lr: [1, 2\nrollout: {}\n")
+    path = write(tmp_path, "trainer:\n  lr: 3\n  loss: [1, 2\nrollout: {}\n")
     msg = error_of(path)
     assert msg.startswith(f"config error: {path}: invalid YAML at line ")
 
@@ -230,7 +234,7 @@ def test_dump_round_trip(tmp_path: Path) -> None:
 
 def test_describe_lists_every_key() -> None:
     text = describe_config()
-    assert "trainer.steps: int = 100  # optimizer steps [>= 1]" in text
+    assert "schedule.steps: int = 100  # optimizer steps (one batch each) [>= 1]" in text
     assert 'engines.pool: "local"|"ray_serve"|"http" = "local"' in text
     assert "engines.max_total_tokens: int | null = null" in text
     keys = [line.split(":", 1)[0] for line in text.splitlines() if line and not line.startswith("#")]
@@ -243,7 +247,77 @@ def test_describe_lists_every_key() -> None:
         "rollout.partial",
         "controller.stale_policy",
         "buffer.capacity",
-        "trainer.save_every",
+        "schedule.save_every",
     ):
         assert key in keys
     assert all("  # " in line for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def _bounds() -> list[tuple[str, str]]:
+    """Every numeric bound of the schema, as (key, the nearest value outside it)."""
+    import typing
+
+    import msgspec
+    from msgspec import Meta
+
+    def walk(cls: type, prefix: str) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+            inner = typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp
+            if isinstance(inner, type) and issubclass(inner, msgspec.Struct):
+                out += walk(inner, f"{prefix}{name}.")
+            else:
+                out.append((f"{prefix}{name}", tp))
+        return out
+
+    def metas(tp: object) -> tuple[list[Meta], bool]:
+        found, whole = [], False
+        for a in [tp, *typing.get_args(tp), *[x for u in typing.get_args(tp) for x in typing.get_args(u)]]:
+            if typing.get_origin(a) is typing.Annotated:
+                found += [m for m in a.__metadata__ if isinstance(m, Meta)]
+                whole = whole or typing.get_args(a)[0] is int
+        return found, whole
+
+    out = []
+    for key, tp in walk(Config, ""):
+        found, whole = metas(tp)
+        for meta in found:
+            for op, val in (("ge", meta.ge), ("gt", meta.gt), ("le", meta.le), ("lt", meta.lt)):
+                if val is None:
+                    continue
+                step = 1 if whole else 1e-3
+                bad = {"ge": val - step, "gt": val, "le": val + step, "lt": val}[op]
+                out.append((key, str(int(bad) if whole else bad)))
+    return sorted(set(out))
+
+
+BOUNDS = _bounds()
+
+
+def test_the_bound_list_covers_the_schema() -> None:
+    keys = {k for k, _ in BOUNDS}
+    # The bounds the issue found unchecked, and one of each kind (ge, gt, le, lt, nullable).
+    for key in ("trainer.clip_eps", "trainer.behav_imp_weight_cap", "trainer.tis_cap", "schedule.steps",
+                "warm_start.label_noise", "rollout.top_p", "engines.max_total_tokens", "controller.max_staleness"):
+        assert key in keys
+    assert len(BOUNDS) >= 40
+
+
+@pytest.mark.parametrize(("key", "bad"), BOUNDS, ids=[f"{k}={v}" for k, v in BOUNDS])
+def test_every_bound_rejects_its_bad_value_as_one_config_error(key: str, bad: str) -> None:
+    msg = error_of(None, [f"{key}={bad}"])
+    assert msg.startswith(f"config error: {key}: expected ") and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize(("item", "expected"), [
+    ("trainer.clip_eps=0", "config error: trainer.clip_eps: expected float > 0.0, got 0"),
+    ("trainer.clip_eps=1", "config error: trainer.clip_eps: expected float < 1.0, got 1"),
+    ("trainer.behav_imp_weight_cap=0.5", "config error: trainer.behav_imp_weight_cap: expected float > 1.0, got 0.5"),
+    ("rollout.top_k=0", "config error: rollout.top_k: expected -1 (off) or >= 1, got 0"),
+    ("controller.stale_policy=ignore", "config error: controller.stale_policy: expected one of 'drop', 'keep', "
+                                       "got 'ignore'"),
+])
+def test_values_components_refuse_are_config_errors(item: str, expected: str) -> None:
+    """Each value a component would refuse at run time (a loss, the engine's sampler, the controller)
+    is refused here first, in the same words for every key."""
+    assert error_of(None, [item]) == expected

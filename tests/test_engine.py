@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from streamrl.engine import EngineError, TorchEngine
+from streamrl.engine import EngineError, EngineState, TorchEngine
 from streamrl.engine.model_runner import FallbackRunner
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -298,6 +298,31 @@ async def test_release_and_resume_memory(engine_model_dir: Path) -> None:
         await eng.resume_memory()
         r = await eng.generate(PROMPTS[0], {"max_new_tokens": 8, **GREEDY})
     assert r["output_ids"] == ref["output_ids"]
+
+
+async def test_the_lifecycle_is_one_state(engine_model_dir: Path) -> None:
+    """Every transition of `EngineState`; a released engine refuses `resume` (its KV is gone) and
+    `resume_memory` returns to the state it was released from."""
+    async with engine(engine_model_dir) as eng:
+        assert eng.state is EngineState.SERVING and not eng.is_paused
+        await eng.pause("retract")
+        assert eng.state is EngineState.PAUSED_RETRACT and eng.stats()["state"] == "paused_retract"
+        await eng.release_memory()
+        assert eng.state is EngineState.RELEASED and eng.is_paused and eng.stats()["kv_cache_bytes"] == 0
+        waiting = asyncio.ensure_future(eng.generate(PROMPTS[0], {"max_new_tokens": 2, **GREEDY}))
+        with pytest.raises(EngineError, match="resume_memory first"):
+            await eng.resume()
+        await eng.resume_memory()
+        assert eng.state is EngineState.PAUSED_RETRACT and not waiting.done()  # still paused, as before
+        await eng.resume()
+        assert eng.state is EngineState.SERVING
+        assert len((await asyncio.wait_for(waiting, 30))["output_ids"]) == 2
+        await eng.release_memory()
+        await eng.resume_memory()
+        assert eng.state is EngineState.SERVING  # released while serving: serving again
+    assert eng.state is EngineState.CLOSED
+    with pytest.raises(EngineError, match="closed"):
+        await eng.generate(PROMPTS[0], {"max_new_tokens": 2})
 
 
 async def test_cancelled_generate_frees_its_slot(engine_model_dir: Path) -> None:

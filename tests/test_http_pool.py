@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from test_http_server import GREEDY, PROMPT, Server, until
 
 from streamrl.rollout.http_pool import HttpPool
+from streamrl.weights import DiskSync
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 srv = test_http_server.srv  # the in-process server fixture (one per module)
@@ -61,34 +62,38 @@ async def test_http_pool_sends_a_group_as_one_batch(srv: Server) -> None:
 
 
 async def test_http_pool_stages_weights_before_the_pause(srv: Server, tiny_model_dir_b: Path) -> None:
-    """`stage_weights` writes the folder while the engines still generate; `update_weights` of that
-    version then only loads it. Another version is written at update time."""
+    """`DiskSync.stage` writes the folder while the engines still generate; `load` of that version then
+    only loads it (`push_weights` does both around the pause). Another version is written at load time."""
     params = {"max_new_tokens": 8, **GREEDY}
     before = await srv.client.generate(PROMPT, params)
     weights_b = load_file(str(tiny_model_dir_b / "model.safetensors"))
     pool = HttpPool([srv.url])
     await pool.start()
+    sync = pool.weight_sync
+    assert isinstance(sync, DiskSync)
     try:
         writes: list[int] = []
-        real = pool._write_folder
+        real = sync._write
 
         async def counted(named_tensors, version):
             writes.append(version)
             return await real(named_tensors, version)
 
-        pool._write_folder = counted
-        await pool.stage_weights(weights_b, 7)
-        assert writes == [7] and (pool._weights_dir / "v7" / "model.safetensors").exists()
+        sync._write = counted
+        await sync.stage(weights_b, 7)
+        assert writes == [7] and (sync.root / "v7" / "model.safetensors").exists()
         assert srv.engine.weight_version != "7"  # staging leaves the engines alone
         await pool.pause("abort")
-        await pool.update_weights(weights_b, 7)
+        await sync.load(weights_b, 7)
         await pool.resume()
         assert writes == [7] and srv.engine.weight_version == "7"
         assert (await srv.client.generate(PROMPT, params))["output_ids"] != before["output_ids"]
         weights_a = load_file(str(srv.model_dir / "model.safetensors"))
-        await pool.update_weights(weights_a, 8)  # not staged: written now
-        assert writes == [7, 8] and not (pool._weights_dir / "v7").exists()
+        await pool.push_weights(weights_a, 8)  # staged inside push_weights, loaded in its pause
+        assert writes == [7, 8] and not (sync.root / "v7").exists() and srv.engine.weight_version == "8"
+        assert not pool.is_paused and not srv.engine.is_paused
         assert (await srv.client.generate(PROMPT, params))["output_ids"] == before["output_ids"]
     finally:
         await pool.aclose()
         await srv.client.update_weight_version("default")
+    assert not sync.root.exists()  # the folders leave with the pool

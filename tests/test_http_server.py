@@ -23,7 +23,7 @@ import torch
 from aiohttp import web
 
 from streamrl.engine import TorchEngine
-from streamrl.engine.http import GlooWeightSender, SGLangClient, SGLangHTTPError, build_app
+from streamrl.engine.http import SGLangClient, SGLangHTTPError, build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -274,15 +274,16 @@ async def test_update_weights_from_distributed_over_gloo(srv: Server, tiny_model
     with pytest.raises(SGLangHTTPError) as e:  # SGLang's default backend: not available here
         await srv.client.init_weights_update_group("127.0.0.1", 1, 1, 2, backend="nccl")
     assert e.value.body["success"] is False
-    sender = GlooWeightSender()  # the trainer: rank 0
-    await srv.client.connect_sender(sender)
-    r = await srv.client.send_weights(sender, load_file(tiny_model_dir_b / "model.safetensors").items(), "dist-1")
-    assert r["success"], r
+    from streamrl.weights import BroadcastSync
+
+    sync = BroadcastSync([srv.client])  # the trainer: rank 0, the server rank 1
+    await sync.connect()
+    await sync.load(load_file(tiny_model_dir_b / "model.safetensors"), 41)
     got = await srv.client.generate(PROMPT, params)
-    assert got["meta_info"]["weight_version"] == "dist-1" and got["output_ids"] == want["output_ids"]
+    assert got["meta_info"]["weight_version"] == "41" and got["output_ids"] == want["output_ids"]
     assert got["output_ids"] != before["output_ids"]
     assert (await srv.client.destroy_weights_update_group())["success"]
-    sender.close()
+    await sync.aclose()
     await srv.client.update_weights_from_disk(str(srv.model_dir), "default")
 
 

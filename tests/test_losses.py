@@ -14,9 +14,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from streamrl.config import TrainerConfig
 from streamrl.trainer import logprobs as logprobs_mod
 from streamrl.trainer.logprobs import Batch, pack_samples, token_logprobs
-from streamrl.trainer.losses import LossConfig, group_advantages, policy_loss
+from streamrl.trainer.losses import group_advantages, policy_loss
 from streamrl.types import Sample
 
 B, T = 4, 9
@@ -27,7 +28,7 @@ def _ref_loss(
     old: torch.Tensor,
     adv: torch.Tensor,
     mask: torch.Tensor,
-    cfg: LossConfig,
+    cfg: TrainerConfig,
     prox: torch.Tensor | None = None,
     ref: torch.Tensor | None = None,
 ) -> tuple[float, list[list[float]]]:
@@ -44,14 +45,14 @@ def _ref_loss(
                 continue
             lp, lb = float(logp[b, t]), float(old[b, t])
             a = float(adv[b]) if adv.dim() == 1 else float(adv[b, t])
-            if cfg.kind == "grpo":
+            if cfg.loss == "grpo":
                 r, w = math.exp(lp - lb), 1.0
             else:
                 lq = float(prox[b, t])
                 r, w = math.exp(lp - lq), math.exp(lq - lb)
-                if cfg.kind == "decoupled_ppo" and cfg.behav_imp_weight_cap is not None:
+                if cfg.loss == "decoupled_ppo" and cfg.behav_imp_weight_cap is not None:
                     w = 0.0 if w > cfg.behav_imp_weight_cap else w
-                if cfg.kind == "tis":
+                if cfg.loss == "tis":
                     w = min(w, cfg.tis_cap)
             rc = min(max(r, lo), hi)
             unclipped, clipped = r * a, rc * a
@@ -85,21 +86,27 @@ def batch() -> dict[str, torch.Tensor]:
 
 
 CASES = [
-    LossConfig(kind="grpo"),
-    LossConfig(kind="grpo", clip_eps=0.1, clip_eps_high=0.28),
-    LossConfig(kind="grpo", kl_coef=0.05),
-    LossConfig(kind="decoupled_ppo"),
-    LossConfig(kind="decoupled_ppo", behav_imp_weight_cap=1.2),
-    LossConfig(kind="decoupled_ppo", clip_eps_high=0.3, kl_coef=0.1),
-    LossConfig(kind="tis", tis_cap=1.2),
-    LossConfig(kind="tis", tis_cap=2.0, kl_coef=0.02),
+    TrainerConfig(loss="grpo"),
+    TrainerConfig(loss="grpo", clip_eps=0.1, clip_eps_high=0.28),
+    TrainerConfig(loss="grpo", kl_coef=0.05),
+    TrainerConfig(loss="decoupled_ppo"),
+    TrainerConfig(loss="decoupled_ppo", behav_imp_weight_cap=1.2),
+    TrainerConfig(loss="decoupled_ppo", clip_eps_high=0.3, kl_coef=0.1),
+    TrainerConfig(loss="tis", tis_cap=1.2),
+    TrainerConfig(loss="tis", tis_cap=2.0, kl_coef=0.02),
 ]
 
 
-@pytest.mark.parametrize("cfg", CASES, ids=lambda c: repr(c))
-def test_policy_loss_matches_loop_reference(batch: dict[str, torch.Tensor], cfg: LossConfig) -> None:
+def _case_id(c: TrainerConfig) -> str:
+    """The loss and the knobs that differ from the defaults, e.g. `tis-tis_cap=1.2`."""
+    changed = {f: getattr(c, f) for f in c.__struct_fields__ if getattr(c, f) != getattr(TrainerConfig(), f)}
+    return "-".join([c.loss, *(f"{k}={v}" for k, v in changed.items() if k != "loss")])
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=_case_id)
+def test_policy_loss_matches_loop_reference(batch: dict[str, torch.Tensor], cfg: TrainerConfig) -> None:
     logp = batch["logp"].clone().requires_grad_(True)
-    prox = batch["prox"] if cfg.kind != "grpo" else None
+    prox = batch["prox"] if cfg.loss != "grpo" else None
     ref = batch["ref"] if cfg.kl_coef > 0 else None
     loss, stats = policy_loss(
         logp, batch["old"], batch["adv"], batch["mask"], cfg, prox_logp=prox, ref_logp=ref
@@ -117,13 +124,13 @@ def test_policy_loss_matches_loop_reference(batch: dict[str, torch.Tensor], cfg:
 def test_fixture_exercises_clipping_and_caps(batch: dict[str, torch.Tensor]) -> None:
     # Guards the reference test against a batch where no clip or cap ever fires.
     args = (batch["logp"], batch["old"], batch["adv"], batch["mask"])
-    _, s = policy_loss(*args, LossConfig(kind="grpo"))
+    _, s = policy_loss(*args, TrainerConfig(loss="grpo"))
     assert 0.0 < s["clip_frac"] < 1.0
     _, s = policy_loss(
-        *args, LossConfig(kind="decoupled_ppo", behav_imp_weight_cap=1.2), prox_logp=batch["prox"]
+        *args, TrainerConfig(loss="decoupled_ppo", behav_imp_weight_cap=1.2), prox_logp=batch["prox"]
     )
     assert 0.0 < s["cap_frac"] < 1.0
-    _, s = policy_loss(*args, LossConfig(kind="tis", tis_cap=1.2), prox_logp=batch["prox"])
+    _, s = policy_loss(*args, TrainerConfig(loss="tis", tis_cap=1.2), prox_logp=batch["prox"])
     assert 0.0 < s["cap_frac"] < 1.0
     assert s["imp_weight_mean"] <= 1.2
 
@@ -136,7 +143,7 @@ def test_stats_match_hand_counts(batch: dict[str, torch.Tensor]) -> None:
         batch["old"],
         batch["adv"],
         m,
-        LossConfig(kind="decoupled_ppo", behav_imp_weight_cap=cap),
+        TrainerConfig(loss="decoupled_ppo", behav_imp_weight_cap=cap),
         prox_logp=batch["prox"],
         ref_logp=batch["ref"],
     )
@@ -155,9 +162,9 @@ def test_stats_match_hand_counts(batch: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("cap", [None, 1.5])
 def test_decoupled_equals_grpo_on_policy(batch: dict[str, torch.Tensor], cap: float | None) -> None:
     args = (batch["logp"], batch["old"], batch["adv"], batch["mask"])
-    grpo, _ = policy_loss(*args, LossConfig(kind="grpo"))
+    grpo, _ = policy_loss(*args, TrainerConfig(loss="grpo"))
     dec, s = policy_loss(
-        *args, LossConfig(kind="decoupled_ppo", behav_imp_weight_cap=cap), prox_logp=batch["old"].clone()
+        *args, TrainerConfig(loss="decoupled_ppo", behav_imp_weight_cap=cap), prox_logp=batch["old"].clone()
     )
     assert abs(grpo.item() - dec.item()) <= 1e-12
     assert s["imp_weight_mean"] == pytest.approx(1.0) and s["cap_frac"] == 0.0
@@ -165,8 +172,8 @@ def test_decoupled_equals_grpo_on_policy(batch: dict[str, torch.Tensor], cap: fl
 
 def test_tis_equals_decoupled_below_cap(batch: dict[str, torch.Tensor]) -> None:
     args = (batch["logp"], batch["old"], batch["adv"], batch["mask"])
-    dec, _ = policy_loss(*args, LossConfig(kind="decoupled_ppo"), prox_logp=batch["prox"])
-    tis, s = policy_loss(*args, LossConfig(kind="tis", tis_cap=100.0), prox_logp=batch["prox"])
+    dec, _ = policy_loss(*args, TrainerConfig(loss="decoupled_ppo"), prox_logp=batch["prox"])
+    tis, s = policy_loss(*args, TrainerConfig(loss="tis", tis_cap=100.0), prox_logp=batch["prox"])
     assert s["cap_frac"] == 0.0
     assert abs(dec.item() - tis.item()) <= 1e-12
 
@@ -175,7 +182,7 @@ def test_tis_equals_decoupled_below_cap(batch: dict[str, torch.Tensor]) -> None:
 def test_gradients_flow_only_through_logp(batch: dict[str, torch.Tensor], kind: str) -> None:
     t = {k: v.clone().requires_grad_(k != "mask") for k, v in batch.items()}
     loss, _ = policy_loss(
-        t["logp"], t["old"], t["adv"], t["mask"], LossConfig(kind=kind, kl_coef=0.1), t["prox"], t["ref"]
+        t["logp"], t["old"], t["adv"], t["mask"], TrainerConfig(loss=kind, kl_coef=0.1), t["prox"], t["ref"]
     )
     loss.backward()
     assert t["logp"].grad is not None and t["logp"].grad.abs().sum() > 0
@@ -187,9 +194,9 @@ def test_gradients_flow_only_through_logp(batch: dict[str, torch.Tensor], kind: 
 def test_sequence_advantages_broadcast(batch: dict[str, torch.Tensor]) -> None:
     seq_adv = batch["adv"][:, 0]  # [B]
     args = (batch["logp"], batch["old"])
-    a, _ = policy_loss(*args, seq_adv, batch["mask"], LossConfig())
-    b, _ = policy_loss(*args, seq_adv[:, None].expand(B, T), batch["mask"], LossConfig())
-    want, _ = _ref_loss(batch["logp"], batch["old"], seq_adv, batch["mask"], LossConfig())
+    a, _ = policy_loss(*args, seq_adv, batch["mask"], TrainerConfig())
+    b, _ = policy_loss(*args, seq_adv[:, None].expand(B, T), batch["mask"], TrainerConfig())
+    want, _ = _ref_loss(batch["logp"], batch["old"], seq_adv, batch["mask"], TrainerConfig())
     assert a.item() == pytest.approx(b.item(), abs=1e-12) == pytest.approx(want, abs=1e-12)
 
 
@@ -200,14 +207,14 @@ def test_masked_garbage_and_empty_mask_stay_finite(batch: dict[str, torch.Tensor
     old[~batch["mask"]] = -1e4  # exp(logp - old) would overflow if it were not masked first
     logp.requires_grad_(True)
     loss, _ = policy_loss(
-        logp, old, batch["adv"], batch["mask"], LossConfig(kind="tis"), prox_logp=old.clone()
+        logp, old, batch["adv"], batch["mask"], TrainerConfig(loss="tis"), prox_logp=old.clone()
     )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 
     empty = torch.zeros(B, T, dtype=torch.bool)
     logp.grad = None
-    loss, s = policy_loss(logp, old, batch["adv"], empty, LossConfig())
+    loss, s = policy_loss(logp, old, batch["adv"], empty, TrainerConfig())
     loss.backward()
     assert loss.item() == 0.0 and s["num_tokens"] == 0.0 and (logp.grad == 0).all()
 
@@ -215,13 +222,9 @@ def test_masked_garbage_and_empty_mask_stay_finite(batch: dict[str, torch.Tensor
 def test_policy_loss_rejects_missing_inputs(batch: dict[str, torch.Tensor]) -> None:
     args = (batch["logp"], batch["old"], batch["adv"], batch["mask"])
     with pytest.raises(ValueError, match="prox_logp"):
-        policy_loss(*args, LossConfig(kind="decoupled_ppo"))
+        policy_loss(*args, TrainerConfig(loss="decoupled_ppo"))
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss(*args, LossConfig(kl_coef=0.1))
-    with pytest.raises(ValueError):
-        LossConfig(kind="ppo")  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
-        LossConfig(kind="decoupled_ppo", behav_imp_weight_cap=0.5)
+        policy_loss(*args, TrainerConfig(kl_coef=0.1))
 
 
 def test_group_advantages_by_hand() -> None:

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from streamrl.engine.http import GlooWeightSender, SGLangClient
+from streamrl.engine.http import SGLangClient
+from streamrl.weights import BroadcastSync
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="NCCL weight sync needs two CUDA GPUs (none on the CPU CI machines)"
@@ -39,14 +40,13 @@ async def test_nccl_broadcast_updates_a_gpu_server(engine_model_dir: Path, tiny_
         async with SGLangClient(url) as c:
             before = await c.generate(PROMPT, params)
             assert before["output_ids"] == greedy(engine_model_dir, 10)
-            sender = GlooWeightSender(backend="nccl", device="cuda:0")
-            await c.connect_sender(sender)
-            r = await c.send_weights(sender, load_file(tiny_model_dir_b / "model.safetensors").items(), "nccl-1")
-            assert r["success"], r
+            sync = BroadcastSync([c], backend="nccl", device="cuda:0")
+            await sync.connect()
+            await sync.load(load_file(tiny_model_dir_b / "model.safetensors"), 17)
             after = await c.generate(PROMPT, params)
-            assert after["meta_info"]["weight_version"] == "nccl-1"
+            assert after["meta_info"]["weight_version"] == "17"
             assert after["output_ids"] == greedy(tiny_model_dir_b, 10) != before["output_ids"]
-            sender.close()
+            await sync.aclose()
     finally:
         proc.terminate()
         await proc.wait()

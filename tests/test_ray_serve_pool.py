@@ -17,12 +17,12 @@ import msgspec
 import pytest
 import torch
 
-from streamrl.config import ConfigError, config_from_dict
+from streamrl.config import ConfigError, EnginesConfig, config_from_dict
 from streamrl.engine import EngineError, TorchEngine
-from streamrl.rollout.packed_weights import pack, unpack
 from streamrl.rollout.ray_serve_pool import RayServePool, start_ray
 from streamrl.run import run
 from streamrl.types import Group
+from streamrl.weights import pack, unpack
 
 ENGINE = dict(device="cpu", dtype="float32", max_running_requests=32, weight_version="0")
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
@@ -43,8 +43,8 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 async def pool(ray_session, engine_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    p = RayServePool(str(engine_model_dir), num_replicas=2, run_dir=tmp_path_factory.mktemp("pool"),
-                     engine_kwargs=ENGINE, cpus_per_replica=1, stream_interval=2)
+    cfg = EnginesConfig(pool="ray_serve", num_replicas=2, cpus_per_replica=1, stream_interval=2)
+    p = RayServePool(str(engine_model_dir), cfg, run_dir=tmp_path_factory.mktemp("pool"), engine_kwargs=ENGINE)
     await p.start()
     yield p
     await p.aclose()
@@ -145,7 +145,8 @@ async def test_weight_update_reaches_every_replica(pool: RayServePool, tiny_mode
     from transformers import AutoModelForCausalLM
 
     new = AutoModelForCausalLM.from_pretrained(tiny_model_dir_b).state_dict()
-    await pool.update_weights(new, 1)
+    await pool.push_weights(new, 1)
+    assert not pool.is_paused
     await pool.refresh_stats()
     assert [s["weight_version"] for s in pool.stats()["replicas"]] == ["1", "1"]
     expected = await reference_outputs(tiny_model_dir_b)  # same architecture, the other weights
@@ -203,7 +204,7 @@ async def test_run_survives_a_killed_replica(ray_session, tmp_path: Path, tiny_m
         "engines": {"pool": "ray_serve", "num_replicas": 2, "cpus_per_replica": 1, "stream_interval": 4},
         "rollout": {"group_size": 4, "max_new_tokens": 40},
         "controller": {"max_staleness": 0},
-        "trainer": {"steps": 12, "batch_groups": 4, "lr": 1e-5},
+        "trainer": {"lr": 1e-5}, "schedule": {"steps": 12, "batch_groups": 4},
     })
     before = set(serve.status().applications)
     task = asyncio.create_task(run(cfg, show_progress=False, log=lambda *_: None))

@@ -1,4 +1,4 @@
-"""Continuing a run from a checkpoint (`trainer.resume_from`, `streamrl run --resume`)."""
+"""Continuing a run from a checkpoint (`schedule.resume_from`, `streamrl run --resume`)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ async def test_resume_continues_the_run_and_its_interrupted_samples(tmp_path: Pa
     versions go on from there, each step appears once in metrics.jsonl, and every interrupted sample
     of the checkpoint is trained with its tokens, behaviour logprobs and versions as they were."""
     sections = dict(controller={"max_staleness": 2}, rollout={"group_size": 4, "max_new_tokens": 40},
-                    trainer={"steps": 6, "batch_groups": 2, "save_every": 1}, engines={"max_running_requests": 2})
+                    schedule={"steps": 6, "batch_groups": 2, "save_every": 1}, engines={"max_running_requests": 2})
     first = await run(config_from_dict(small_cfg(tmp_path, tiny_model_dir, **sections)), **QUIET)
     run_dir = Path(first["run_dir"])
     ckpt = next(run_dir / "checkpoints" / f"step-{k}" for k in range(1, 6)
@@ -43,7 +43,7 @@ async def test_resume_continues_the_run_and_its_interrupted_samples(tmp_path: Pa
                    if s.status == "partial" and s.num_tokens}
 
     cfg = small_cfg(tmp_path, tiny_model_dir, **sections)
-    cfg["trainer"]["resume_from"] = str(ckpt)
+    cfg["schedule"]["resume_from"] = str(ckpt)
     second = await run(config_from_dict(cfg), **QUIET)
 
     info = second["resumed_from"]
@@ -68,12 +68,12 @@ async def test_resume_continues_the_run_and_its_interrupted_samples(tmp_path: Pa
 
 
 def test_resume_errors_name_the_key(tmp_path: Path, tiny_model_dir: Path) -> None:
-    def cfg(resume: str, **trainer: object) -> object:
+    def cfg(resume: str, **schedule: object) -> object:
         c = small_cfg(tmp_path, tiny_model_dir)
-        c["trainer"] = {**c["trainer"], "resume_from": resume, **trainer}
+        c["schedule"] = {**c["schedule"], "resume_from": resume, **schedule}
         return config_from_dict(c)
 
-    with pytest.raises(ConfigError, match=r"trainer\.resume_from: '.*nowhere' is not a checkpoint folder"):
+    with pytest.raises(ConfigError, match=r"schedule\.resume_from: '.*nowhere' is not a checkpoint folder"):
         load_resume(cfg(str(tmp_path / "nowhere")))
     old = tmp_path / "old"
     old.mkdir()
@@ -90,9 +90,9 @@ def test_resume_errors_name_the_key(tmp_path: Path, tiny_model_dir: Path) -> Non
         load_resume(cfg(str(ckpt)))
     for f in ("optimizer.pt", "rollout_state.msgpack", "generating.msgpack", "config.json"):
         (ckpt / f).write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"trainer\.steps: the checkpoint is at step 4"):
+    with pytest.raises(ConfigError, match=r"schedule\.steps: the checkpoint is at step 4"):
         load_resume(cfg(str(ckpt), steps=4))
-    with pytest.raises(ConfigError, match=r"trainer\.batch_groups: the checkpoint's run used 2"):
+    with pytest.raises(ConfigError, match=r"schedule\.batch_groups: the checkpoint's run used 2"):
         load_resume(cfg(str(ckpt), batch_groups=3))
     assert load_resume(cfg(str(ckpt))).state.step == 4  # steps 6 > 4, same shape: resumable
 
@@ -104,7 +104,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_via_cli(tmp_path: Path, t
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(json.dumps(small_cfg(  # JSON is YAML
         tmp_path, tiny_model_dir, controller={"max_staleness": 1},
-        trainer={"steps": 60, "batch_groups": 2, "save_every": 2})))
+        schedule={"steps": 60, "batch_groups": 2, "save_every": 2})))
     run_dir = tmp_path / "run"
     p = subprocess.Popen([*STREAMRL, "run", str(cfg_file), "--no-progress"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -122,7 +122,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_via_cli(tmp_path: Path, t
 
     bad = subprocess.run([*STREAMRL, "run", str(cfg_file), "--no-progress", "--resume", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("config error: trainer.resume_from:"), bad.stderr
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("config error: schedule.resume_from:"), bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
 
     p = subprocess.run([*STREAMRL, "run", str(cfg_file), "--no-progress", "--resume", str(ckpt)],

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import processes_mentioning
+from helpers import STREAMRL, processes_mentioning
 
 from streamrl.rollout_only import summarize
 from streamrl.tasks import addition
 from streamrl.types import Group, Sample, decode_groups
-
-STREAMRL = [sys.executable, "-m", "streamrl.cli"]
 
 
 def _config(tmp_path: Path, pool: str) -> Path:
@@ -35,7 +32,7 @@ rollout:
   group_size: 4
   max_new_tokens: 5
   temperature: 1.0
-trainer:
+schedule:
   batch_groups: 2
 """)
     return cfg
@@ -77,7 +74,7 @@ def test_rollout_defaults_to_one_batch_and_takes_out(tmp_path: Path) -> None:
                         "--set", "rollout.group_size=2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     groups = decode_groups(out.read_bytes())
-    assert len(groups) == 2 and all(len(g.samples) == 2 for g in groups)  # trainer.batch_groups groups
+    assert len(groups) == 2 and all(len(g.samples) == 2 for g in groups)  # schedule.batch_groups groups
 
 
 @pytest.mark.parametrize(("args", "needle"), [

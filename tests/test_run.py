@@ -10,7 +10,6 @@ import pytest
 from helpers import run_quickstart_cli
 from transformers import AutoModelForCausalLM
 
-from streamrl.buffer import RolloutBuffer
 from streamrl.config import config_from_dict
 from streamrl.run import run
 from streamrl.types import Group
@@ -30,7 +29,7 @@ def small_cfg(tmp_path: Path, model_dir: Path, **sections) -> dict:
         "rollout": {"group_size": 4, "max_new_tokens": 6},
         # Every sample computed, so each step's on-policy logprob check has tokens to compare (a step
         # whose groups all tie would skip them all and report null).
-        "trainer": {"steps": 6, "batch_groups": 2, "lr": 1e-4, "skip_zero_advantage": False},
+        "trainer": {"lr": 1e-4}, "schedule": {"steps": 6, "batch_groups": 2},
     }
     for k, v in sections.items():
         cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
@@ -81,7 +80,7 @@ async def test_async_run_resumes_partials_across_versions(tmp_path: Path, tiny_m
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},
         rollout={"group_size": 4, "max_new_tokens": 40},
-        trainer={"steps": 8, "batch_groups": 2, "save_every": 2},
+        schedule={"steps": 8, "batch_groups": 2, "save_every": 2},
         engines={"max_running_requests": 2},
     ))
     summary = await run(cfg, show_progress=False, log=lambda *_: None)
@@ -95,11 +94,11 @@ async def test_async_run_resumes_partials_across_versions(tmp_path: Path, tiny_m
         state = json.loads((ckpt / "state.json").read_text())
         assert state["step"] == step and state["version"] == step
         assert AutoModelForCausalLM.from_pretrained(ckpt) is not None
-        restored = RolloutBuffer()
-        restored.load_state_dict((ckpt / "rollout_state.msgpack").read_bytes())
-        assert restored.num_partials == state["partials"] and len(restored) == state["queued_groups"]
-        for s in restored.take_partials():
-            assert s.status == "partial" and s.num_resumes >= 1
+        generating = msgspec.msgpack.decode((ckpt / "generating.msgpack").read_bytes(), type=list[Group])
+        partial = [s for g in generating for s in g.samples if s.status == "partial"]
+        assert len(partial) == state["partials"] and len(generating) == state["generating_groups"]
+        for s in partial:
+            assert s.num_resumes >= 1
             assert len(s.response_ids) == len(s.logprobs) == len(s.versions) and s.versions == sorted(s.versions)
             assert all(v < step for v in s.versions)  # produced before this checkpoint's update
             parked.append(s)
@@ -123,7 +122,7 @@ async def test_async_run_over_http_resumes_group_batches(tmp_path: Path, tiny_mo
     pause returns every member's partial output, and only the interrupted members go again."""
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},
-        rollout={"group_size": 4, "max_new_tokens": 40}, trainer={"steps": 6, "batch_groups": 2},
+        rollout={"group_size": 4, "max_new_tokens": 40}, schedule={"steps": 6, "batch_groups": 2},
         engines={"pool": "http", "max_running_requests": 4},
     ))
     summary = await run(cfg, show_progress=False, log=lambda *_: None)
@@ -151,7 +150,7 @@ async def test_samples_kept_in_the_engines_across_updates(tmp_path: Path, tiny_m
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},
         rollout={"group_size": 4, "max_new_tokens": 40, "partial": partial},
-        trainer={"steps": 6, "batch_groups": 2}, engines={"pool": pool, "max_running_requests": 2},
+        schedule={"steps": 6, "batch_groups": 2}, engines={"pool": pool, "max_running_requests": 2},
     ))
     summary = await run(cfg, show_progress=False, log=lambda *_: None)
     assert summary["groups_admitted"] == summary["groups_generated"] == 6 * 2
@@ -174,7 +173,7 @@ async def test_weights_pushed_every_n_steps(tmp_path: Path, tiny_model_dir: Path
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},
         rollout={"group_size": 4, "max_new_tokens": 40},
-        trainer={"steps": 7, "batch_groups": 2, "push_every": 2}, engines={"max_running_requests": 2},
+        schedule={"steps": 7, "batch_groups": 2, "push_every": 2}, engines={"max_running_requests": 2},
     ))
     summary = await run(cfg, show_progress=False, log=lambda *_: None)
     assert summary["groups_admitted"] == summary["groups_generated"] == 7 * 2
@@ -196,7 +195,7 @@ async def test_ppo_minibatches_take_several_steps_and_push_one_version(tmp_path:
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 1},
         data={"reward": f"{REPO / 'tests' / 'rewards_for_tests.py'}:length_reward"},
-        trainer={"steps": 4, "batch_groups": 2, "lr": 3e-2, "ppo_minibatches": 2, "loss": "decoupled_ppo"},
+        trainer={"lr": 3e-2, "ppo_minibatches": 2, "loss": "decoupled_ppo"}, schedule={"steps": 4, "batch_groups": 2},
     ))
     await run(cfg, show_progress=False, log=lambda *_: None)
     rows = read_metrics(Path(cfg.run_dir))
@@ -210,7 +209,7 @@ async def test_discard_mode_counts_discarded_tokens(tmp_path: Path, tiny_model_d
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 2},
         rollout={"group_size": 4, "max_new_tokens": 40, "partial": "discard"},
-        trainer={"steps": 6, "batch_groups": 2}, engines={"max_running_requests": 2},
+        schedule={"steps": 6, "batch_groups": 2}, engines={"max_running_requests": 2},
     ))
     await run(cfg, show_progress=False, log=lambda *_: None)
     rows = read_metrics(Path(cfg.run_dir))
@@ -232,16 +231,16 @@ async def test_a_failed_weight_push_stops_the_run_with_its_error(tmp_path: Path,
 
     real = run_mod.build_pool
 
-    def failing_pool(cfg, model_dir):  # noqa: ANN001, ANN202 - a thin wrapper of the real builder
-        pool = real(cfg, model_dir)
-        update = pool.update_weights
+    def failing_pool(cfg, model_dir, **kw):  # noqa: ANN001, ANN003, ANN202 - a thin wrapper of the real builder
+        pool = real(cfg, model_dir, **kw)
+        load = pool.weight_sync.load
 
-        async def update_weights(weights, version):  # noqa: ANN001, ANN202
+        async def failing_load(weights, version):  # noqa: ANN001, ANN202
             if version == 3:
                 raise RuntimeError("engine lost during the update to version 3")
-            await update(weights, version)
+            await load(weights, version)
 
-        pool.update_weights = update_weights
+        pool.weight_sync.load = failing_load
         return pool
 
     monkeypatch.setattr(run_mod, "build_pool", failing_pool)
@@ -256,7 +255,7 @@ async def test_a_failed_weight_push_stops_the_run_with_its_error(tmp_path: Path,
 def test_quickstart_reward_rises_via_cli(tmp_path: Path) -> None:
     """The README's run command, shortened: warm start (cached per recipe) then GRPO; reward must rise."""
     run_dir = tmp_path / "qs"
-    p = run_quickstart_cli(run_dir, "trainer.steps=300", cwd=tmp_path, timeout=900)
+    p = run_quickstart_cli(run_dir, "schedule.steps=300", cwd=tmp_path, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = read_metrics(run_dir)
     first = sum(r["reward_mean"] for r in rows[:50]) / 50
@@ -277,7 +276,7 @@ async def test_custom_dataset_and_async_reward(tmp_path: Path, tiny_model_dir: P
         "    return len(response_text) / 10 + (answer == '11') * 0\n"
     )
     cfg = config_from_dict(small_cfg(
-        tmp_path, tiny_model_dir, trainer={"steps": 2},
+        tmp_path, tiny_model_dir, schedule={"steps": 2},
         data={"task": None, "path": str(data), "prompt_key": "q", "answer_key": "a", "eval_size": 5,
               "reward": f"{tmp_path / 'my_reward.py'}:score"},
     ))
@@ -293,7 +292,7 @@ async def test_http_pool_launches_servers_behind_the_real_router(tmp_path: Path,
     """Engines in their own `streamrl serve` processes behind sglang-router; on-policy logprobs still
     match the trainer's after a JSON round trip, and weight updates reach both servers."""
     cfg = config_from_dict(small_cfg(
-        tmp_path, tiny_model_dir, controller={"max_staleness": 0}, trainer={"steps": 4},
+        tmp_path, tiny_model_dir, controller={"max_staleness": 0}, schedule={"steps": 4},
         engines={"pool": "http", "num_replicas": 2, "router": "launch", "max_running_requests": 16},
         data={"reward": f"{REPO / 'tests' / 'rewards_for_tests.py'}:length_reward"},
     ))
@@ -324,7 +323,7 @@ def _live_routers() -> list[int]:
 async def test_http_pool_gloo_weight_sync(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Weights broadcast over gloo (`/update_weights_from_distributed`) instead of a disk folder."""
     cfg = config_from_dict(small_cfg(
-        tmp_path, tiny_model_dir, controller={"max_staleness": 0}, trainer={"steps": 3},
+        tmp_path, tiny_model_dir, controller={"max_staleness": 0}, schedule={"steps": 3},
         engines={"pool": "http", "num_replicas": 2, "weight_sync": "distributed", "max_running_requests": 16},
         data={"reward": f"{REPO / 'tests' / 'rewards_for_tests.py'}:length_reward"},
     ))

@@ -42,7 +42,7 @@ def test_smoothing_and_torn_metrics(tmp_path: Path) -> None:
 
 def test_sweep_runs_every_point_and_compares_them(tmp_path: Path, tiny_model_dir: Path) -> None:
     cfg = tmp_path / "base.yaml"
-    cfg.write_text(json.dumps(small_cfg(tmp_path, tiny_model_dir, trainer={"steps": 4, "batch_groups": 2},
+    cfg.write_text(json.dumps(small_cfg(tmp_path, tiny_model_dir, schedule={"steps": 4, "batch_groups": 2},
                                         rollout={"group_size": 4, "max_new_tokens": 20},
                                         engines={"max_running_requests": 4})))
     out = tmp_path / "sweep"

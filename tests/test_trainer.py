@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from streamrl.batching import balanced_parts
-from streamrl.trainer.losses import LossConfig
-from streamrl.trainer.trainer import Trainer, TrainerSettings
+from streamrl.config import TrainerConfig
+from streamrl.trainer.trainer import Trainer
 from streamrl.types import Group, Sample
 
 
@@ -33,9 +33,8 @@ def fake_groups(seed: int, n_groups: int = 3, n: int = 4) -> list[Group]:
 def test_micro_batches_give_the_same_update(tiny_model_dir: Path, kind: str) -> None:
     def trained(budget: int, padding: float) -> tuple[list[torch.Tensor], Trainer, dict]:
         torch.manual_seed(0)
-        settings = TrainerSettings(lr=1e-3, loss=LossConfig(kind=kind), micro_batch_tokens=budget,
-                                   micro_batch_padding=padding)
-        t = Trainer(str(tiny_model_dir), settings)
+        settings = TrainerConfig(lr=1e-3, loss=kind, micro_batch_tokens=budget, micro_batch_padding=padding)
+        t = Trainer(settings, str(tiny_model_dir))
         stats = t.train_step(fake_groups(1))
         # Compare gradients, not Adam's update: Adam divides by sqrt(v), which turns float summation
         # noise on near-zero gradients into lr-sized differences.
@@ -51,7 +50,7 @@ def test_micro_batches_give_the_same_update(tiny_model_dir: Path, kind: str) -> 
     assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
     assert s1["staleness_mean"] == s2["staleness_mean"] == 0.0
     assert t1.version == t2.version == 1
-    start = Trainer(str(tiny_model_dir), TrainerSettings(loss=LossConfig(kind=kind)))
+    start = Trainer(TrainerConfig(loss=kind), str(tiny_model_dir))
     moved = [not torch.equal(a, b) for a, b in zip(t1.model.parameters(), start.model.parameters(), strict=True)]
     assert any(moved)
 
@@ -66,7 +65,8 @@ def test_skipping_zero_advantage_samples_gives_the_same_update(tiny_model_dir: P
 
     def trained(skip: bool) -> tuple[list[torch.Tensor], dict]:
         torch.manual_seed(0)
-        t = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss=LossConfig(kind=kind), skip_zero_advantage=skip))
+        t = Trainer(TrainerConfig(lr=1e-3, loss=kind), str(tiny_model_dir))
+        t.skip_zero_advantage = skip
         t.version = 2
         stats = t.train_step(groups)
         return [p.grad.detach().clone() for p in t.model.parameters()], stats
@@ -96,7 +96,7 @@ def test_a_batch_in_parts_gives_the_same_update_as_whole(tiny_model_dir: Path, k
 
     def trained(parts: list[list[Group]]) -> tuple[list[torch.Tensor], dict, Trainer]:
         torch.manual_seed(0)
-        t = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss=LossConfig(kind=kind)))
+        t = Trainer(TrainerConfig(lr=1e-3, loss=kind), str(tiny_model_dir))
         t.version = 2
         if len(parts) == 1:
             stats = t.train_step(parts[0])
@@ -132,7 +132,8 @@ def test_a_batch_with_no_signal_still_steps_adam_like_the_full_computation(tiny_
 
     def run(skip: bool) -> tuple[Trainer, dict]:
         torch.manual_seed(0)
-        t = Trainer(str(tiny_model_dir), TrainerSettings(lr=1e-3, loss=LossConfig(kind="grpo"), skip_zero_advantage=skip))
+        t = Trainer(TrainerConfig(lr=1e-3, loss="grpo"), str(tiny_model_dir))
+        t.skip_zero_advantage = skip
         stats = t.train_step(flat)
         t.train_step(informative)
         return t, stats
@@ -150,13 +151,13 @@ def test_a_batch_with_no_signal_still_steps_adam_like_the_full_computation(tiny_
 def test_a_resumed_trainer_continues_with_the_saved_optimizer_state(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Two steps, save with the optimizer, load into a fresh trainer: its third step is the original's.
     Without the optimizer state (AdamW restarting its moments) the third step comes out different."""
-    settings = TrainerSettings(lr=1e-3, loss=LossConfig(kind="decoupled_ppo"))
-    a = Trainer(str(tiny_model_dir), settings)
+    settings = TrainerConfig(lr=1e-3, loss="decoupled_ppo")
+    a = Trainer(settings, str(tiny_model_dir))
     a.train_step(fake_groups(1))
     a.train_step(fake_groups(2))
     ckpt = a.save(tmp_path / "ckpt", optimizer=True)
-    b = Trainer(str(ckpt), settings, version=a.version, optimizer_state=ckpt / "optimizer.pt")
-    fresh = Trainer(str(ckpt), settings, version=a.version)
+    b = Trainer(settings, str(ckpt), version=a.version, optimizer_state=ckpt / "optimizer.pt")
+    fresh = Trainer(settings, str(ckpt), version=a.version)
     for t in (a, b, fresh):
         t.train_step(fake_groups(3))
     assert a.version == b.version == 3
@@ -181,9 +182,9 @@ def test_minibatches_match_a_plain_pytorch_loop(tiny_model_dir: Path) -> None:
     per-sample computation of AReaL's eq. 5 at the trainer's own parameters of that step."""
     groups = _stale(fake_groups(5, n_groups=4))
     samples = [s for g in groups for s in g.samples]
-    settings = TrainerSettings(lr=3e-2, grad_clip=0.0, ppo_minibatches=3, micro_batch_tokens=40,
-                               loss=LossConfig(kind="decoupled_ppo", clip_eps=0.2))
-    t = Trainer(str(tiny_model_dir), settings)
+    settings = TrainerConfig(lr=3e-2, grad_clip=0.0, ppo_minibatches=3, micro_batch_tokens=40,
+                             loss="decoupled_ppo", clip_eps=0.2)
+    t = Trainer(settings, str(tiny_model_dir))
     t.version = 3
     start = {k: v.clone() for k, v in t.model.state_dict().items()}
     seen: list[tuple[dict[str, torch.Tensor], list[torch.Tensor]]] = []  # (params, grads) at each step
@@ -198,7 +199,7 @@ def test_minibatches_match_a_plain_pytorch_loop(tiny_model_dir: Path) -> None:
     stats = t.train_step(groups)
     assert len(seen) == 3 and t.version == 4
 
-    ref = Trainer(str(tiny_model_dir), TrainerSettings(loss=LossConfig(kind="grpo")))
+    ref = Trainer(TrainerConfig(loss="grpo"), str(tiny_model_dir))
     ref.model.eval()  # no dropout in the tiny model; eval only to say the reference never trains
 
     def logp_of(s: Sample) -> torch.Tensor:  # one unpadded sequence: log p of each response token
@@ -239,8 +240,7 @@ def test_one_step_per_batch_never_clips_and_minibatches_in_parts_match_whole(tin
     """With one step pi_theta = pi_prox, so decoupled PPO's clip cannot bind; with two it does. The
     run loop's parts (pi_prox recorded per part, the steps at finish_step) give the same as whole."""
     def run(n: int, parts: list[list[Group]]) -> tuple[dict, list[torch.Tensor]]:
-        t = Trainer(str(tiny_model_dir), TrainerSettings(lr=3e-2, ppo_minibatches=n,
-                                                         loss=LossConfig(kind="decoupled_ppo")))
+        t = Trainer(TrainerConfig(lr=3e-2, ppo_minibatches=n, loss="decoupled_ppo"), str(tiny_model_dir))
         for part in parts:
             t.accumulate(part)
         return t.finish_step(), [p.detach().clone() for p in t.model.parameters()]

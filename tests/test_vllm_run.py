@@ -114,7 +114,7 @@ def test_quickstart_learns_on_a_vllm_server_streamrl_launches(tmp_path: Path) ->
     """The README's quickstart, shortened, with `engines.pool: http` + `backend: vllm`: streamrl starts
     one real vLLM server, trains asynchronously (η = 1, partial resume, decoupled PPO) and stops it."""
     run_dir = tmp_path / "qs"
-    p = run_quickstart_cli(run_dir, "trainer.steps=200", "engines.pool=http", "engines.backend=vllm", cwd=tmp_path)
+    p = run_quickstart_cli(run_dir, "schedule.steps=200", "engines.pool=http", "engines.backend=vllm", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = read_metrics(run_dir)
     first = sum(r["reward_mean"] for r in rows[:40]) / 40
@@ -164,7 +164,7 @@ async def test_async_run_on_vllm_resumes_partials_and_discards_nothing(tmp_path:
         # each train step far shorter than generating a batch, so every update finds samples in flight.
         # With the full computation the trainer, sharing 2 cores with vLLM, could take as long as the
         # engine and find the buffer full and nothing in flight at an update.
-        trainer={"steps": 8, "batch_groups": 2, "skip_zero_advantage": True},
+        schedule={"steps": 8, "batch_groups": 2},
         rollout={"group_size": 4, "max_new_tokens": 200}, engines={"pool": "http", "backend": "vllm", "urls": [url]},
     ))
     await run(cfg, show_progress=False, log=lambda *_: None)

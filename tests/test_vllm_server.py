@@ -64,9 +64,7 @@ async def set_weights(client: VLLMClient, model_dir: Path, version: str) -> None
     await pool.start()
     try:
         sd = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-        await pool.pause("abort")
-        await pool.update_weights(sd, int(version))
-        await pool.resume()
+        await pool.push_weights(sd, int(version))  # stage, pause (abort), load, resume
     finally:
         await pool.aclose()
 
@@ -264,7 +262,7 @@ async def test_weight_reload_makes_greedy_follow_the_new_weights(server: str, mo
         try:
             await pool.pause("abort")
             partial = await asyncio.wait_for(task, 30)
-            await pool.update_weights(AutoModelForCausalLM.from_pretrained(b).state_dict(), 1)
+            await pool.weight_sync.load(AutoModelForCausalLM.from_pretrained(b).state_dict(), 1)
             await pool.resume()
             r = await pool.generate(PROMPT, greedy, "w1")
             assert r["output_ids"] == want_b

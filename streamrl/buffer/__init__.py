@@ -1,5 +1,8 @@
-"""The rollout buffer between the rollout manager and the trainer (no torch)."""
+"""Between the rollout manager and the trainer: the buffer of finished groups, the off-policy controller,
+and the trainer's batches drawn from both (no torch)."""
 
-from streamrl.buffer.buffer import BufferClosed, BufferFull, RolloutBuffer
+from .batches import next_batch
+from .buffer import BufferClosed, BufferFull, RolloutBuffer
+from .controller import ControllerStats, StalenessController
 
-__all__ = ["BufferClosed", "BufferFull", "RolloutBuffer"]
+__all__ = ["BufferClosed", "BufferFull", "ControllerStats", "RolloutBuffer", "StalenessController", "next_batch"]

@@ -9,6 +9,7 @@ Three decisions, all pure logic (no torch, no engines):
    batches' worth of generation is thrown away when the run ends.
 2. *Acceptance* at batch time: a group whose oldest trainable token is more than η versions behind is
    `drop`ped (counted, its tokens reported as discarded) or `keep`t (trained with importance correction).
+   The buffer applies it as `min_version`, one integer compare per queued group.
 3. *Composition*: at most ``max_offpolicy_fraction`` of a batch's groups may contain tokens from older
    versions; the excess goes back to the buffer to wait for a later batch.
 Every decision is counted so the run can log it.
@@ -16,12 +17,13 @@ Every decision is counted so the run can log it.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..config import ControllerConfig
 from ..types import Group
+from .waiters import Waiters
 
 
 @dataclass
@@ -40,24 +42,13 @@ class ControllerStats:
 
 
 class StalenessController:
-    def __init__(
-        self,
-        *,
-        batch_groups: int,
-        max_staleness: int = 0,
-        max_offpolicy_fraction: float = 1.0,
-        stale_policy: str = "drop",
-        max_concurrent_groups: int | None = None,
-        max_groups: int | None = None,
-    ) -> None:
-        if stale_policy not in ("drop", "keep"):
-            raise ValueError(f"stale_policy must be drop or keep, got {stale_policy!r}")
+    def __init__(self, cfg: ControllerConfig, *, batch_groups: int, max_groups: int | None = None) -> None:
+        """`batch_groups`: groups per trainer step; `max_groups`: groups the trainer will ever take
+        (the run's budget), None = no end."""
+        self.cfg = cfg
         self.batch_groups = batch_groups
-        self.max_staleness = max_staleness
-        self.max_offpolicy_fraction = max_offpolicy_fraction
-        self.stale_policy = stale_policy
-        self.max_concurrent_groups = max_concurrent_groups
-        self.max_groups = max_groups  # groups the trainer will ever take; None = no end
+        self.max_staleness = cfg.max_staleness
+        self.max_groups = max_groups
         self.version = 0  # the trainer's: staleness, deadlines and batches are counted against it
         # The weights the engines hold: admission counts against it, and a group admitted now gets it as
         # its admission version. It trails `version` while a step's weights are being pushed.
@@ -68,7 +59,7 @@ class StalenessController:
         self.stats = ControllerStats()
         self._inflight: Counter[int] = Counter()  # admitted version -> groups still generating
         self._pending: Counter[int] = Counter()  # admitted version -> groups admitted, not yet trained
-        self._changed = asyncio.Condition()
+        self._changed = Waiters()  # woken on every change that may let admission or a batch go on
 
     # ---- admission -------------------------------------------------------------------------------
     def capacity(self) -> int:
@@ -77,32 +68,31 @@ class StalenessController:
         if self.max_groups is not None:
             limit = min(limit, self.max_groups)  # the run's budget is a ceiling on the same count
         free = limit - (self.started - self.returned)
-        if self.max_concurrent_groups is not None:
-            free = min(free, self.max_concurrent_groups - self.running)
+        if self.cfg.max_concurrent_groups is not None:
+            free = min(free, self.cfg.max_concurrent_groups - self.running)
         return max(0, free)
 
     async def acquire(self) -> int:
         """Wait for room for one group; returns the version at admission."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.capacity() > 0)
-            self.started += 1
-            self.running += 1
-            self.stats.admitted += 1
-            self._inflight[self.engine_version] += 1
-            self._pending[self.engine_version] += 1
-            return self.engine_version
+        while self.capacity() <= 0:
+            await self._changed.wait()
+        self.started += 1
+        self.running += 1
+        self.stats.admitted += 1
+        self._inflight[self.engine_version] += 1
+        self._pending[self.engine_version] += 1
+        return self.engine_version
 
-    async def release(self, admitted_version: int, *, returned: bool = False) -> None:
+    def release(self, admitted_version: int, *, returned: bool = False) -> None:
         """A group finished generating (returned=True: it was thrown away and its slot is free again)."""
-        async with self._changed:
-            self.running -= 1
-            self._inflight[admitted_version] -= 1
-            if self._inflight[admitted_version] <= 0:
-                del self._inflight[admitted_version]
-            if returned:
-                self.returned += 1
-                self._forget(admitted_version)
-            self._changed.notify_all()
+        self.running -= 1
+        self._inflight[admitted_version] -= 1
+        if self._inflight[admitted_version] <= 0:
+            del self._inflight[admitted_version]
+        if returned:
+            self.returned += 1
+            self._forget(admitted_version)
+        self._changed.wake()
 
     def must_wait_for(self, room: int | None = None) -> int:
         """How many more groups must finish before the next batch's remaining `room` places (default:
@@ -138,30 +128,27 @@ class StalenessController:
 
         Taking k <= room - must_wait_for(room) of the oldest leaves, for every j, room - k places for
         the U(j) - j * B - (finished ones) that must still come: the same bound as waiting, so the
-        trainer can start on part of a batch while its overdue groups finish (`run.batch_parts`).
+        trainer can start on part of a batch while its overdue groups finish (`batches.next_batch`).
         """
         return room - self.must_wait_for(room)
 
     async def wait_takeable(self, room: int) -> int:
         """Wait until part of the next batch's `room` places may be filled; returns how many."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.takeable(room) > 0)
-            return self.takeable(room)
+        while (k := self.takeable(room)) <= 0:
+            await self._changed.wait()
+        return k
 
     def consumed(self, groups: list[Group]) -> None:
         """The trainer took these groups: they no longer count against future batches."""
         for g in groups:
             self._forget(g.admitted_version)
+        self._changed.wake()
 
     def _forget(self, admitted_version: int) -> None:
         if self._pending.get(admitted_version, 0) > 1:
             self._pending[admitted_version] -= 1
         else:
             self._pending.pop(admitted_version, None)  # also groups restored from a checkpoint
-
-    async def wait_for_oldest(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.must_wait_for() == 0)
 
     def restore(self, *, version: int, trained_groups: int, queued: list[Group], generating: list[Group]) -> None:
         """Continue a run from a checkpoint: the trainer at `version` has trained `trained_groups`
@@ -175,13 +162,12 @@ class StalenessController:
         self._pending = Counter(g.admitted_version for g in [*queued, *generating])
         self._inflight = Counter(g.admitted_version for g in generating)
 
-    async def set_version(self, version: int) -> None:
+    def set_version(self, version: int) -> None:
         """Trainer and engines are both at `version` (the step's weights have reached the engines)."""
-        async with self._changed:
-            self.version = self.engine_version = version
-            self._changed.notify_all()
+        self.version = self.engine_version = version
+        self._changed.wake()
 
-    async def trainer_stepped(self, version: int) -> None:
+    def trainer_stepped(self, version: int) -> None:
         """The trainer is at `version`, its weights not yet in the engines: the next batch is composed
         against it, while admission keeps counting against the engines' version until `set_version`.
 
@@ -190,38 +176,37 @@ class StalenessController:
         would start groups whose first tokens come from the old weights, one version older than
         their admission version, and so one version past η by their deadline.
         """
-        async with self._changed:
-            self.version = version
-            self._changed.notify_all()
+        self.version = version
+        self._changed.wake()
 
     # ---- acceptance and composition --------------------------------------------------------------
     def staleness(self, group: Group) -> int:
         return self.version - group.oldest_version()
 
-    def accept(self, group: Group) -> bool:
-        """Filter for the buffer: False removes the group (policy `drop`)."""
-        s = self.staleness(group)
-        if s <= self.max_staleness:
-            return True
-        if self.stale_policy == "keep":
-            self.stats.kept_stale += 1
-            self.stats.note(f"keep {group.group_id}: staleness {s} > {self.max_staleness}")
-            return True
+    def min_version(self) -> int | None:
+        """The oldest token version a batch may take now: older groups are beyond max_staleness and
+        dropped (the buffer hands each to `dropped`, once). None under `keep`: every group is taken."""
+        return None if self.cfg.stale_policy == "keep" else self.version - self.max_staleness
+
+    def dropped(self, group: Group) -> None:
+        """The buffer dropped a group `accept` turned away: count it, and give its admission slot back
+        so a fresh group replaces it for the batch it was meant for."""
         self.stats.dropped_stale += 1
         self.stats.dropped_tokens += group.num_tokens
-        self.stats.note(f"drop {group.group_id}: staleness {s} > {self.max_staleness}")
+        self.stats.note(f"drop {group.group_id}: staleness {self.staleness(group)} > {self.max_staleness}")
         self._forget(group.admitted_version)
-        self.returned += 1  # its admission slot is reusable: the batch it was meant for needs a substitute
-        return False
+        self.returned += 1
+        self._changed.wake()
 
     def compose(self, groups: list[Group], *, offpolicy_taken: int = 0) -> tuple[list[Group], int]:
         """Keep at most floor(max_offpolicy_fraction * batch_groups) off-policy groups in a batch.
 
         Excess off-policy groups are dropped (counted like stale drops) and their admission slots given
         back, so fresh on-policy groups can replace them; deferring them instead could deadlock the
-        trainer behind groups that only get staler. Returns (kept groups, off-policy count in them).
+        trainer behind groups that only get staler. Each group passes here once, so a stale group kept
+        by policy `keep` is counted here. Returns (kept groups, off-policy count in them).
         """
-        allowed = math.floor(self.max_offpolicy_fraction * self.batch_groups + 1e-9)
+        allowed = math.floor(self.cfg.max_offpolicy_fraction * self.batch_groups + 1e-9)
         kept, offp = [], offpolicy_taken
         for g in groups:
             if self.staleness(g) > 0:
@@ -231,16 +216,15 @@ class StalenessController:
                     self.stats.deferred_offpolicy += 1
                     self.returned += 1
                     self._forget(g.admitted_version)
-                    self.stats.note(f"drop {g.group_id}: off-policy fraction cap {self.max_offpolicy_fraction}")
+                    self.stats.note(f"drop {g.group_id}: off-policy fraction cap {self.cfg.max_offpolicy_fraction}")
+                    self._changed.wake()
                     continue
                 offp += 1
+            if (s := self.staleness(g)) > self.max_staleness:
+                self.stats.kept_stale += 1
+                self.stats.note(f"keep {g.group_id}: staleness {s} > {self.max_staleness}")
             kept.append(g)
         return kept, offp
-
-    async def poke(self) -> None:
-        """Wake admission after synchronous decisions (drops) freed slots."""
-        async with self._changed:
-            self._changed.notify_all()
 
     def drain_decisions(self) -> list[str]:
         out, self.stats.decisions = self.stats.decisions, []

@@ -20,6 +20,7 @@ from .schema import (
     EnginesConfig,
     ModelConfig,
     RolloutConfig,
+    ScheduleConfig,
     TrainerConfig,
     WarmStartConfig,
 )
@@ -27,6 +28,6 @@ from .validate import validate
 
 __all__ = [
     "DATA_SUFFIXES", "KNOWN_TASKS", "BufferConfig", "Config", "ConfigError", "ControllerConfig", "DataConfig",
-    "EnginesConfig", "ModelConfig", "RolloutConfig", "TrainerConfig", "WarmStartConfig", "config_from_dict",
+    "EnginesConfig", "ModelConfig", "RolloutConfig", "ScheduleConfig", "TrainerConfig", "WarmStartConfig", "config_from_dict",
     "describe_config", "dump_config", "load_config", "validate",
 ]

@@ -12,14 +12,18 @@ import msgspec
 import yaml
 
 from .fields import _all_keys, _fields, _is_section, _render_type, _union_args
-from .schema import Config, ConfigError
+from .schema import REMOVED, RENAMED, Config, ConfigError
 from .validate import validate
 
 
 def _unknown_key(cls: type, parts: list[str], key: str) -> ConfigError:
+    dotted = ".".join([*parts, str(key)])
+    if dotted in RENAMED:
+        return ConfigError(dotted, f"renamed to {RENAMED[dotted]}")
+    if dotted in REMOVED:
+        return ConfigError(dotted, f"removed: {REMOVED[dotted]}")
     names = list(_fields(cls))
     close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-    dotted = ".".join([*parts, str(key)])
     if close:
         hint = ".".join([*parts, close[0]])
     else:  # right name, wrong section? e.g. trainer.temperature -> rollout.temperature
@@ -177,6 +181,11 @@ def load_config(path: str | None, overrides: Sequence[str] = (), *, check_paths:
     return config_from_dict(raw, check_paths=check_paths)
 
 
-def dump_config(cfg: Config) -> str:
-    """YAML for `cfg`; `load_config` of it gives back an equal Config."""
-    return yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False, default_flow_style=False)
+def dump_config(cfg: Config, path: Path | None = None) -> str:
+    """YAML for `cfg`; `load_config` of it gives back an equal Config. With `path`, also written there
+    (its folder made if missing)."""
+    text = yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False, default_flow_style=False)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return text

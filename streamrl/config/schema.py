@@ -32,6 +32,7 @@ Pool = Literal["local", "ray_serve", "http"]
 Loss = Literal["grpo", "decoupled_ppo", "tis"]
 PosIntOrNone = Annotated[int, Meta(ge=1)] | None
 PosFloatOrNone = Annotated[float, Meta(gt=0)] | None
+CapOrNone = Annotated[float, Meta(gt=1)] | None
 
 
 def _sec(cls: type) -> Any:
@@ -44,8 +45,6 @@ class ModelConfig(_Section):
     )
     init: Annotated[Literal["none", "tiny"], _d("tiny: build a tiny model at path if missing")] = "tiny"
     init_seed: Annotated[int, _d("seed for building the tiny model", ge=0)] = 0
-    dtype: Annotated[DType, _d("parameter dtype for engines and trainer")] = "float32"
-    device: Annotated[Device, _d("device of the embedded engines; auto = cuda if available")] = "auto"
 
 
 class WarmStartConfig(_Section):
@@ -69,6 +68,8 @@ class DataConfig(_Section):
 class EnginesConfig(_Section):
     pool: Annotated[Pool, _d("where engines run: in-process, Ray Serve replicas, HTTP servers")] = "local"
     num_replicas: Annotated[int, _d("engine replicas (local / ray_serve / launched http servers)", ge=1)] = 1
+    device: Annotated[Device, _d("device of the embedded engines; auto = cuda if available")] = "auto"
+    dtype: Annotated[DType, _d("parameter dtype of the engines")] = "float32"
     max_running_requests: Annotated[int, _d("concurrent requests per replica", ge=1)] = 64
     max_total_tokens: Annotated[PosIntOrNone, _d("KV-cache tokens per replica; null = engine decides")] = None
     urls: Annotated[list[str], _d(
@@ -99,10 +100,6 @@ class EnginesConfig(_Section):
         None
     )
     threads: Annotated[int, _d("torch CPU threads per embedded engine", ge=1)] = 1
-    cpu_kernel: Annotated[bool, _d(
-        "embedded engine on CPU, float32: compiled C++ decode attention (built on first use, cached); "
-        "false = PyTorch SDPA, same numbers, slower"
-    )] = True
     weight_sync: Annotated[Literal["disk", "distributed"], _d("pool=http: safetensors folder or gloo broadcast")] = (
         "disk"
     )
@@ -113,19 +110,21 @@ class RolloutConfig(_Section):
     max_new_tokens: Annotated[int, _d("response token budget per sample", ge=1)] = 8
     temperature: Annotated[float, _d("sampling temperature; 0 = greedy", ge=0)] = 1.0
     top_p: Annotated[float, _d("nucleus sampling mass", gt=0, le=1)] = 1.0
-    top_k: Annotated[int, _d("top-k sampling; -1 = off", ge=-1)] = -1
+    top_k: Annotated[int, _d("top-k sampling; -1 = off, else >= 1", ge=-1)] = -1
     partial: Annotated[
         Literal["resume", "discard", "retract", "in_place"],
         _d("samples in flight at a weight sync: resume (abort, resubmit, KV recomputed), discard (restart), "
            "retract (kept in the engine, KV recomputed), in_place (kept, old KV reused)"),
     ] = "resume"
-    max_concurrent_groups: Annotated[PosIntOrNone, _d("groups in flight; null = controller decides")] = None
 
 
 class ControllerConfig(_Section):
     max_staleness: Annotated[int, _d("max versions a token may lag the trainer; 0 = on-policy", ge=0)] = 0
     max_offpolicy_fraction: Annotated[float, _d("max off-policy share of a batch", ge=0, le=1)] = 1.0
     stale_policy: Annotated[Literal["drop", "keep"], _d("groups beyond max_staleness")] = "drop"
+    max_concurrent_groups: Annotated[PosIntOrNone, _d("groups generating at once; null = admission alone decides")] = (
+        None
+    )
 
 
 class BufferConfig(_Section):
@@ -136,53 +135,65 @@ class BufferConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    steps: Annotated[int, _d("optimizer steps", ge=1)] = 100
-    batch_groups: Annotated[int, _d("prompts (groups) per step", ge=1)] = 8
     lr: Annotated[float, _d("learning rate", gt=0)] = 3e-5
     weight_decay: Annotated[float, _d("AdamW weight decay", ge=0)] = 0.0
     grad_clip: Annotated[float, _d("max gradient norm; 0 = off", ge=0)] = 1.0
-    loss: Annotated[Loss, _d("policy loss")] = "grpo"
-    clip_eps: Annotated[float, _d("PPO ratio clip epsilon", ge=0)] = 0.2
+    loss: Annotated[Loss, _d(
+        "policy loss: grpo (PPO clip against the behaviour policy), decoupled_ppo (AReaL: clip against "
+        "pi_prox, weighted by pi_prox/pi_behav), tis (clip against pi_prox, truncated behaviour weight)"
+    )] = "grpo"
+    clip_eps: Annotated[float, _d("PPO ratio clip epsilon", gt=0, lt=1)] = 0.2
     clip_eps_high: Annotated[PosFloatOrNone, _d("upper clip epsilon (clip-higher); null = clip_eps")] = None
-    kl_coef: Annotated[float, _d("KL penalty to the initial policy; 0 = off", ge=0)] = 0.0
-    behav_imp_weight_cap: Annotated[PosFloatOrNone, _d("decoupled PPO behaviour-weight cap; null = none")] = (
-        None
-    )
-    tis_cap: Annotated[float, _d("truncated importance sampling cap", gt=0)] = 2.0
-    device: Annotated[Device, _d("trainer device; auto = cuda if available")] = "auto"
-    eval_every: Annotated[int, _d("evaluate every N steps; 0 = never", ge=0)] = 0
-    save_every: Annotated[int, _d(
-        "checkpoint (policy, optimizer, rollout state) every N steps to run_dir/checkpoints; 0 = none (final/ is always written)",
-        ge=0,
-    )] = 0
-    resume_from: Annotated[str | None, _d(
-        "continue a run from a checkpoint folder (run_dir/checkpoints/step-N): policy, optimizer, rollout state"
+    kl_coef: Annotated[float, _d("k3 KL penalty to the initial policy; 0 = off", ge=0)] = 0.0
+    behav_imp_weight_cap: Annotated[CapOrNone, _d(
+        "decoupled_ppo: tokens whose pi_prox/pi_behav exceeds it leave the loss; null = no cap"
     )] = None
-    threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
-    micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
-    micro_batch_padding: Annotated[float, _d(
-        "padding allowed per micro-batch, as a fraction of its real tokens (samples bucketed by length)", ge=0
-    )] = 0.25
-    own_process: Annotated[bool, _d(
-        "CPU trainer in its own process, away from the rollout manager's event loop (GIL)"
-    )] = True
-    skip_zero_advantage: Annotated[bool, _d(
-        "skip forward/backward of samples with advantage 0 (the same update, less compute; off with kl_coef)"
-    )] = True
-    push_every: Annotated[int, _d(
-        "push the weights to the engines every N optimizer steps (and at the last step and each evaluation): "
-        "fewer interruptions of samples in flight; the engines lag up to N-1 versions (needs "
-        "controller.max_staleness >= N-1)", ge=1,
-    )] = 1
+    tis_cap: Annotated[float, _d("tis: the behaviour weight is truncated at this value", gt=0)] = 2.0
     ppo_minibatches: Annotated[int, _d(
         "optimizer steps per batch, each on about 1/N of its tokens (AReaL's ppo_n_minibatches); pi_prox is the "
         "weights before the first, so decoupled_ppo/tis clip against it from the second on; 1 = one step, "
         "where that clip never binds", ge=1,
     )] = 1
-    stream_batch: Annotated[bool, _d(
-        "compute a batch's groups as soon as they may be trained, while its overdue ones still generate "
-        "(the same update); false = wait for the whole batch, then compute"
-    )] = True
+    device: Annotated[Device, _d("trainer device; auto = cuda if available")] = "auto"
+    threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
+    micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
+    micro_batch_padding: Annotated[float, _d(
+        "padding allowed per micro-batch, as a fraction of its real tokens (samples bucketed by length)", ge=0
+    )] = 0.25
+
+
+class ScheduleConfig(_Section):
+    steps: Annotated[int, _d("optimizer steps (one batch each)", ge=1)] = 100
+    batch_groups: Annotated[int, _d("prompts (groups) per step", ge=1)] = 8
+    push_every: Annotated[int, _d(
+        "push the weights to the engines every N steps (and at the last step and each evaluation): "
+        "fewer interruptions of samples in flight; the engines lag up to N-1 versions (needs "
+        "controller.max_staleness >= N-1)", ge=1,
+    )] = 1
+    eval_every: Annotated[int, _d("held-out evaluation every N steps; 0 = before and after the run only", ge=0)] = 0
+    save_every: Annotated[int, _d(
+        "checkpoint (policy, optimizer, rollout state) every N steps to run_dir/checkpoints; 0 = none "
+        "(final/ is always written)", ge=0,
+    )] = 0
+    resume_from: Annotated[str | None, _d(
+        "continue a run from a checkpoint folder (run_dir/checkpoints/step-N): policy, optimizer, rollout state"
+    )] = None
+
+
+# Keys that moved or left: each is a one-line config error that says where it went.
+RENAMED = {
+    "trainer.steps": "schedule.steps", "trainer.batch_groups": "schedule.batch_groups",
+    "trainer.push_every": "schedule.push_every", "trainer.eval_every": "schedule.eval_every",
+    "trainer.save_every": "schedule.save_every", "trainer.resume_from": "schedule.resume_from",
+    "rollout.max_concurrent_groups": "controller.max_concurrent_groups",
+    "model.device": "engines.device", "model.dtype": "engines.dtype",
+}
+REMOVED = {
+    "trainer.stream_batch": "the trainer always computes a batch's groups as soon as they may be trained",
+    "trainer.own_process": "a CPU trainer always runs in its own process",
+    "trainer.skip_zero_advantage": "samples with advantage 0 are always skipped (not with kl_coef > 0)",
+    "engines.cpu_kernel": "the compiled CPU decode attention is always used where it builds",
+}
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -199,3 +210,6 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     controller: Annotated[ControllerConfig, _d("off-policy ratio controller")] = _sec(ControllerConfig)
     buffer: Annotated[BufferConfig, _d("rollout buffer between manager and trainer")] = _sec(BufferConfig)
     trainer: Annotated[TrainerConfig, _d("optimizer and loss")] = _sec(TrainerConfig)
+    schedule: Annotated[ScheduleConfig, _d("steps, batch size, and when to push, evaluate and save")] = (
+        _sec(ScheduleConfig)
+    )

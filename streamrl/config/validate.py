@@ -66,17 +66,19 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
     if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):
         raise ConfigError("engines.router", f"expected an http:// or https:// URL or 'launch', got '{e.router}'")
+    if cfg.rollout.top_k == 0:
+        raise ConfigError("rollout.top_k", "expected -1 (off) or >= 1, got 0")
     eta = cfg.controller.max_staleness
-    if cfg.trainer.push_every > eta + 1:
+    if cfg.schedule.push_every > eta + 1:
         raise ConfigError(
-            "trainer.push_every",
+            "schedule.push_every",
             f"must be <= controller.max_staleness + 1 ({eta + 1}): between two pushes the engines lag the "
             f"trainer by up to push_every - 1 versions, and no group may start more than max_staleness "
-            f"versions before it is trained; got {cfg.trainer.push_every}",
+            f"versions before it is trained; got {cfg.schedule.push_every}",
         )
     cap = cfg.buffer.capacity
-    if cap is not None and cap < cfg.trainer.batch_groups:
+    if cap is not None and cap < cfg.schedule.batch_groups:
         raise ConfigError(
             "buffer.capacity",
-            f"must be >= trainer.batch_groups ({cfg.trainer.batch_groups}) or no batch can fill, got {cap}",
+            f"must be >= schedule.batch_groups ({cfg.schedule.batch_groups}) or no batch can fill, got {cap}",
         )

@@ -1,6 +1,24 @@
-"""Generation engines behind one async contract (see `protocol.py`)."""
+"""Generation engines behind one async contract (see `protocol.py`).
 
-from .protocol import Engine, EngineError, GenerateChunk, SamplingParams, build_result
-from .torch_engine import TorchEngine
+`TorchEngine` is loaded on first use: the contract's types import no torch, so the rollout side can
+name them without loading it.
+"""
 
-__all__ = ["Engine", "EngineError", "GenerateChunk", "SamplingParams", "TorchEngine", "build_result"]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .protocol import Engine, EngineError, EngineState, GenerateChunk, SamplingParams, build_result
+
+if TYPE_CHECKING:
+    from .torch_engine import TorchEngine
+
+__all__ = ["Engine", "EngineError", "EngineState", "GenerateChunk", "SamplingParams", "TorchEngine", "build_result"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchEngine":
+        from . import torch_engine
+
+        return getattr(torch_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

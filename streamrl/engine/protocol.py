@@ -8,6 +8,7 @@ and result types; it knows nothing about torch, HTTP or Ray.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -15,6 +16,26 @@ import msgspec
 
 FinishType = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "in_place", "retract"]
+
+
+class EngineState(enum.Enum):
+    """The engine's lifecycle. Only SERVING runs steps; a paused engine queues new requests.
+
+        SERVING --pause(mode)--> PAUSED_<mode> --resume--> SERVING
+        SERVING | PAUSED_* --release_memory--> RELEASED --resume_memory--> the state it left
+        any --aclose--> CLOSED
+    """
+
+    SERVING = "serving"
+    PAUSED_ABORT = "paused_abort"  # in-flight requests were ended with their partial output
+    PAUSED_RETRACT = "paused_retract"  # frozen; a weight update recomputes their KV
+    PAUSED_IN_PLACE = "paused_in_place"  # frozen; their KV is kept across a weight update
+    RELEASED = "released"  # KV cache freed and weights off the accelerator (colocated training)
+    CLOSED = "closed"
+
+
+PAUSED_STATES: dict[str, EngineState] = {"abort": EngineState.PAUSED_ABORT, "retract": EngineState.PAUSED_RETRACT,
+           "in_place": EngineState.PAUSED_IN_PLACE}
 
 
 class EngineError(Exception):

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,9 +22,12 @@ from typing import Any
 
 import torch
 
+from ..devices import resolve_device
 from .model_runner import FallbackRunner, ModelRunner, supports_fast_path
 from .protocol import (
+    PAUSED_STATES,
     EngineError,
+    EngineState,
     GenerateChunk,
     PauseMode,
     SamplingParams,
@@ -38,12 +39,6 @@ from .sampling import SamplingBatch, sample
 from .scheduler import Plan, Request, Scheduler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 class TorchEngine:
@@ -104,9 +99,8 @@ class TorchEngine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._requests: dict[str, Request] = {}
-        self._released = False
-        self._closed = False
-        self._pause_mode: PauseMode | None = None  # how the engine is paused, while it is
+        self.state = EngineState.SERVING
+        self._after_release = EngineState.SERVING  # where resume_memory returns to
         # prefill_*: first computation of a prompt, and recomputation of a resumed or flushed request's
         # tokens after a weight update: the price of exact partial resume.
         self._stats = {"generated_tokens": 0, "num_steps": 0, "num_requests": 0, "busy_s": 0.0,
@@ -121,17 +115,21 @@ class TorchEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def _set_state(self, state: EngineState) -> None:
+        self.state = state
+        self.scheduler.paused = state is not EngineState.SERVING  # the scheduler's only input from here
+
     def _ensure_loop(self) -> None:
-        if self._closed:
+        if self.state is EngineState.CLOSED:
             raise EngineError("engine is closed")
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="torch-engine-loop")
 
     async def aclose(self) -> None:
-        if self._closed:
+        if self.state is EngineState.CLOSED:
             return
         await self.abort_all()
-        self._closed = True
+        self._set_state(EngineState.CLOSED)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -196,14 +194,26 @@ class TorchEngine:
     async def generate(
         self, input_ids: list[int], sampling_params: SamplingParams | dict | None = None, rid: str | None = None
     ) -> dict[str, Any]:
-        req = self._make_request(input_ids, sampling_params, rid)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._submit(req, fut)
+        return (await self.generate_many([input_ids], [sampling_params], [rid]))[0]
+
+    async def generate_many(self, input_ids: list[list[int]], sampling_params: list[SamplingParams | dict | None],
+                            rids: list[str | None]) -> list[dict[str, Any]]:
+        """Several requests at once (a group's samples), answered in order: the batch form of SGLang's
+        `/generate`. All are checked before any is queued, so a bad one fails the call and queues none.
+        A caller that goes away (cancelled) frees their slots, as `generate_stream` does."""
+        reqs = [self._make_request(i, p, r) for i, p, r in zip(input_ids, sampling_params, rids, strict=True)]
+        if len({r.rid for r in reqs}) < len(reqs):
+            raise EngineError("duplicate request id in a batch")
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[dict[str, Any]]] = [loop.create_future() for _ in reqs]
+        for req, fut in zip(reqs, futs, strict=True):
+            self._submit(req, fut)
         try:
-            return await fut
+            return list(await asyncio.gather(*futs))  # futures, not coroutines: no task per request
         except asyncio.CancelledError:
-            if not req.finished:  # the caller went away: free the slot, as generate_stream does
-                await self.abort(req.rid)
+            for req in reqs:
+                if not req.finished:
+                    await self.abort(req.rid)
             raise
 
     async def generate_stream(
@@ -370,23 +380,32 @@ class TorchEngine:
           values the old weights computed (SGLang keeps the running batch untouched; PipelineRL's
           in-flight updates). No recomputation, but a token sampled then depends on both versions.
         """
-        if mode not in ("abort", "in_place", "retract"):
+        if mode not in PAUSED_STATES:
             raise EngineError(f"pause mode must be abort, in_place or retract, got {mode!r}")
         async with self._step_lock:
-            self.scheduler.paused = True
-            self._pause_mode = mode
+            self._check_open()
+            if self.state is EngineState.RELEASED:
+                self._after_release = PAUSED_STATES[mode]
+            else:
+                self._set_state(PAUSED_STATES[mode])
             if mode == "abort":
                 for r in self.scheduler.all_requests():
                     self._abort_now(r)
 
     async def resume(self) -> None:
-        self.scheduler.paused = False
-        self._pause_mode = None
+        self._check_open()
+        if self.state is EngineState.RELEASED:
+            raise EngineError("resume: the engine's memory is released; resume_memory first")
+        self._set_state(EngineState.SERVING)
         self._wakeup.set()
+
+    def _check_open(self) -> None:
+        if self.state is EngineState.CLOSED:
+            raise EngineError("engine is closed")
 
     @property
     def is_paused(self) -> bool:
-        return self.scheduler.paused
+        return self.state is not EngineState.SERVING
 
     async def update_weights_from_state_dict(self, named_tensors: Any, weight_version: str | None = None) -> None:
         """Load new weights between two steps. Running requests keep their tokens; their KV is
@@ -397,19 +416,17 @@ class TorchEngine:
         async with self._step_lock:
             await loop.run_in_executor(self._executor, self._load_tensors, tensors)
             self._version = str(weight_version) if weight_version is not None else self._bump(self._version)
-            if self._pause_mode != "in_place":
+            if self.state is not EngineState.PAUSED_IN_PLACE:
                 self.scheduler.flush()
         self._wakeup.set()
 
     async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise EngineError(f"update_weights_from_disk: no *.safetensors files in {path!r}")
-        from safetensors.torch import load_file
+        from ..weights import load_folder
 
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(load_file(f))
+        try:
+            tensors = await asyncio.to_thread(load_folder, path)
+        except FileNotFoundError as e:
+            raise EngineError(f"update_weights_from_disk: {e}") from None
         await self.update_weights_from_state_dict(tensors, weight_version)
 
     @staticmethod
@@ -436,22 +453,25 @@ class TorchEngine:
     async def release_memory(self) -> None:
         """Free the KV cache and move weights off the accelerator (colocated training)."""
         async with self._step_lock:
+            self._check_open()
+            if self.state is EngineState.RELEASED:
+                return
             if self.scheduler.num_running or self.scheduler.num_waiting:
                 raise EngineError("release_memory: requests are in flight; pause(mode='abort') first")
             self.runner.free()
             if self.device != "cpu":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
-            self._released = True
-            self.scheduler.paused = True
+            self._after_release = self.state
+            self._set_state(EngineState.RELEASED)
 
     async def resume_memory(self) -> None:
         async with self._step_lock:
-            if self._released:
+            self._check_open()
+            if self.state is EngineState.RELEASED:
                 self.model.to(self.device)
                 self.runner.allocate()
-                self._released = False
-                self.scheduler.paused = False
+                self._set_state(self._after_release)
         self._wakeup.set()
 
     async def flush_cache(self) -> bool:
@@ -460,7 +480,7 @@ class TorchEngine:
         return not (self.scheduler.num_running or self.scheduler.num_waiting)
 
     async def health(self) -> bool:
-        return not self._closed and (self._loop_task is None or not self._loop_task.done())
+        return self.state is not EngineState.CLOSED and (self._loop_task is None or not self._loop_task.done())
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -470,7 +490,8 @@ class TorchEngine:
         return {
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
-            "paused": self.scheduler.paused,
+            "paused": self.is_paused,
+            "state": self.state.value,
             "weight_version": self._version,
             "tokens_per_s": tps,
             "kv_cache_bytes": self.runner.kv_bytes(),

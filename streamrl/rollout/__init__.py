@@ -1,6 +1,8 @@
-"""Rollouts: engine pools and the manager that turns prompts into scored groups."""
+"""Rollouts: engine pools and the manager that turns prompts into scored groups (no torch at import)."""
 
-from .manager import RolloutCounters, RolloutFailed, RolloutManager, RolloutSettings
-from .pools import EnginePool, LocalPool
+from .build import build_pool, preflight
+from .manager import RolloutCounters, RolloutFailed, RolloutManager
+from .pools import EnginePool, LeastLoaded, LocalPool
 
-__all__ = ["EnginePool", "LocalPool", "RolloutCounters", "RolloutFailed", "RolloutManager", "RolloutSettings"]
+__all__ = ["EnginePool", "LeastLoaded", "LocalPool", "RolloutCounters", "RolloutFailed", "RolloutManager",
+           "build_pool", "preflight"]

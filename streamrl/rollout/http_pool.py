@@ -5,11 +5,10 @@ with `engines.backend: vllm` one real vLLM server, per replica on a free 127.0.0
 to servers the user runs (`urls`: real SGLang servers, `streamrl serve`, or vLLM servers). vLLM
 servers are driven through `VLLMClient`, which gives SGLang-shaped results (engine/vllm/).
 
-Generation goes to the least-loaded server with logprobs; control calls (pause, resume, abort_all,
-weight updates) go to every server. Weights travel through a safetensors folder (in /dev/shm when
-available): SGLang's `/update_weights_from_disk`, or vLLM's `collective_rpc reload_weights`. The folder
-holds every name of the trainer's state dict, tied `lm_head.weight` included: vLLM on CPU keeps a tied
-head as its own tensor and reloads it only when the file names it.
+Generation goes to the least-loaded server with logprobs; control calls (pause, resume, abort_all)
+and weight pushes go to every server. Weights travel as a safetensors folder (`weights.DiskSync`:
+SGLang's `/update_weights_from_disk`, or vLLM's `collective_rpc reload_weights`) or by gloo broadcast
+(`weights.BroadcastSync`).
 
 Training never shares a process with generation here: no GIL or thread-pool contention between the
 trainer and the engines.
@@ -18,19 +17,19 @@ trainer and the engines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ..config import ConfigError, EnginesConfig
 from ..engine.http.client import SGLangClient
 from ..procs import EngineStartError, free_port, terminate_group
-from .pools import PoolBase
+from ..weights import BroadcastSync, DiskSync
+from .pools import EnginePool, LeastLoaded
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
 
@@ -39,13 +38,12 @@ class ServerProcess:
     """One `streamrl serve` child process on a free port."""
 
     def __init__(self, model_dir: str, *, device: str, dtype: str, max_running_requests: int,
-                 threads: int, weight_version: str, log_path: Path, cpu_kernel: bool = True) -> None:
+                 threads: int, weight_version: str, log_path: Path) -> None:
         self.threads = threads
         self.cmd = [
             sys.executable, "-m", "streamrl.engine.http.server", "--model", model_dir, "--port", "0",
             "--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests),
             "--num-threads", str(threads), "--weight-version", weight_version,
-            *([] if cpu_kernel else ["--no-cpu-kernel"]),
         ]
         self.log_path = log_path
         self.proc: asyncio.subprocess.Process | None = None
@@ -132,7 +130,7 @@ class RouterProcess:
         await terminate_group(self.proc, 10)
 
 
-class HttpPool(PoolBase):
+class HttpPool(EnginePool):
     """Generation to the router (if any) or the least-loaded worker; control calls to every worker.
 
     The router re-encodes requests and drops unknown fields, and retries a non-streaming request on
@@ -149,9 +147,8 @@ class HttpPool(PoolBase):
             raise ValueError(f"backend must be sglang or vllm, got {backend!r}")
         if backend == "vllm" and (router or weight_sync != "disk"):
             raise ValueError("vllm servers take weights from disk and are routed in-process (no router)")
+        super().__init__()
         self.backend = backend
-        self.weight_sync = weight_sync
-        self._sender: Any = None
         self.urls = list(urls or [])
         self.servers = launch or []
         self.router_url = router if router and router != "launch" else None
@@ -160,11 +157,9 @@ class HttpPool(PoolBase):
         self.api_key = api_key
         self.num_replicas = len(self.urls) + len(self.servers)
         self.clients: list[Any] = []  # SGLangClient or VLLMClient: the same calls, the same results
-        self._inflight: list[int] = []
-        super().__init__()
-        self._weights_dir = Path(tempfile.mkdtemp(prefix="streamrl-weights-", dir=_fast_tmp()))
+        self.weight_sync = BroadcastSync(self.clients) if weight_sync == "distributed" else DiskSync(self.clients)
+        self._route = LeastLoaded(self.num_replicas)
         self._busy = {"busy_s": 0.0, "prefill_s": 0.0}
-        self._staged: tuple[int, Path] | None = None  # (version, folder) written by stage_weights
 
     async def start(self) -> None:
         if self.servers:
@@ -172,24 +167,22 @@ class HttpPool(PoolBase):
         client = SGLangClient
         if self.backend == "vllm":
             from ..engine.vllm import VLLMClient as client  # type: ignore[assignment]
-        self.clients = [client(u, self.api_key, timeout=None) for u in self.urls]
-        self._inflight = [0] * len(self.clients)
+        self.clients += [client(u, self.api_key, timeout=None) for u in self.urls]
         for c, u in zip(self.clients, self.urls, strict=True):
             if not await c.health():
                 raise EngineStartError(f"engine server {u} is not healthy (or not listening)")
             if self.backend == "vllm":
                 await c.check_server()
                 await c.update_weight_version("0")  # vLLM starts at "default"; streamrl counts from 0
-        if self.weight_sync == "distributed":
-            await self._connect_gloo()
+        if isinstance(self.weight_sync, BroadcastSync):
+            await self.weight_sync.connect()
         if self.router_proc is not None:
             self.router_url = await self.router_proc.start(self.urls)
         if self.router_url:
             self.router_client = SGLangClient(self.router_url, self.api_key, timeout=None)
 
     async def aclose(self) -> None:
-        if self._sender is not None:
-            self._sender.close()
+        await self.weight_sync.aclose()
         if self.router_client is not None:
             await self.router_client.aclose()
         if self.router_proc is not None:
@@ -197,17 +190,15 @@ class HttpPool(PoolBase):
         for c in self.clients:
             await c.aclose()
         await asyncio.gather(*[s.stop() for s in self.servers])
-        shutil.rmtree(self._weights_dir, ignore_errors=True)
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
         if self.router_client is not None:
             return await self.router_client.generate(input_ids, sampling_params, rid, return_logprob=True)
-        i = min(range(len(self.clients)), key=self._inflight.__getitem__)
-        self._inflight[i] += 1
+        i = self._route.pick()
         try:
             return await self.clients[i].generate(input_ids, sampling_params, rid, return_logprob=True)
         finally:
-            self._inflight[i] -= 1
+            self._route.done(i)
 
     async def generate_many(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
                             rids: list[str]) -> list[dict[str, Any]]:
@@ -218,14 +209,14 @@ class HttpPool(PoolBase):
         verified here) or to vLLM: one request per sample."""
         if self.router_client is not None or self.backend == "vllm" or len(input_ids) < 2:
             return await super().generate_many(input_ids, sampling_params, rids)
-        i = min(range(len(self.clients)), key=self._inflight.__getitem__)
-        self._inflight[i] += len(input_ids)
+        n = len(input_ids)
+        i = self._route.pick(n)
         try:
             out = await self.clients[i].generate(input_ids, sampling_params, rids, return_logprob=True)
         finally:
-            self._inflight[i] -= len(input_ids)
-        if not isinstance(out, list) or len(out) != len(input_ids):
-            raise RuntimeError(f"{self.urls[i]}: a batch of {len(input_ids)} requests got {type(out).__name__} back")
+            self._route.done(i, n)
+        if not isinstance(out, list) or len(out) != n:
+            raise RuntimeError(f"{self.urls[i]}: a batch of {n} requests got {type(out).__name__} back")
         return out
 
     async def abort_all(self) -> None:
@@ -237,65 +228,8 @@ class HttpPool(PoolBase):
     async def _resume_all(self) -> None:
         await asyncio.gather(*[c.resume() for c in self.clients])
 
-    async def _connect_gloo(self) -> None:
-        """One gloo group: the trainer is rank 0, server i joins as rank i + 1 (SGLang's protocol)."""
-        from ..engine.http.client import GlooWeightSender
-
-        self._sender = s = GlooWeightSender("127.0.0.1", 0, world_size=len(self.clients) + 1)
-        await asyncio.gather(asyncio.to_thread(s.connect), *[
-            c.init_weights_update_group(s.master_address, s.master_port, i + 1, s.world_size, s.group_name)
-            for i, c in enumerate(self.clients)
-        ])
-
-    async def _send_gloo(self, named_tensors: Any, version: int) -> None:
-        s = self._sender
-        tensors = [(n, t.detach().contiguous().cpu()) for n, t in dict(named_tensors).items()]
-        names = [n for n, _ in tensors]
-        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
-        shapes = [list(t.shape) for _, t in tensors]
-        # Every server must be receiving while rank 0 broadcasts: run both sides together.
-        await asyncio.gather(asyncio.to_thread(s.broadcast, tensors), *[
-            c.update_weights_from_distributed(names, dtypes, shapes, str(version), s.group_name) for c in self.clients
-        ])
-
-    async def stage_weights(self, named_tensors: Any, version: int) -> None:
-        """Disk sync: write the version's folder now, while the engines still generate, so that the
-        pause that follows only covers their loading it (~4 ms less per step on the CPU benchmark)."""
-        if self.weight_sync == "disk":
-            self._staged = (version, await self._write_folder(named_tensors, version))
-
-    async def update_weights(self, named_tensors: Any, version: int) -> None:
-        if self.weight_sync == "distributed":
-            await self._send_gloo(named_tensors, version)
-            return
-        staged, self._staged = self._staged, None
-        folder = staged[1] if staged and staged[0] == version else await self._write_folder(named_tensors, version)
-        try:
-            await asyncio.gather(*[c.update_weights_from_disk(str(folder), str(version)) for c in self.clients])
-        finally:
-            with contextlib.suppress(OSError):
-                for old in self._weights_dir.iterdir():
-                    if old != folder:
-                        shutil.rmtree(old, ignore_errors=True)
-
-    async def _write_folder(self, named_tensors: Any, version: int) -> Path:
-        from safetensors.torch import save_file
-
-        folder = self._weights_dir / f"v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in dict(named_tensors).items()}
-        # Tied weights share storage; safetensors refuses shared tensors, and the engine copies both names.
-        seen: dict[int, str] = {}
-        for k in list(tensors):
-            ptr = tensors[k].data_ptr()
-            if ptr in seen:
-                tensors[k] = tensors[k].clone()
-            seen[ptr] = k
-        await asyncio.to_thread(save_file, tensors, str(folder / "model.safetensors"))
-        return folder
-
     def stats(self) -> dict[str, Any]:
-        return {"running": sum(self._inflight), **self._busy, "replicas": self.urls}
+        return {"running": sum(self._route.inflight), **self._busy, "replicas": self.urls}
 
     async def refresh_stats(self) -> None:
         """Engine busy time summed over servers, for the idle-fraction metric (a server that cannot
@@ -305,10 +239,48 @@ class HttpPool(PoolBase):
         self._busy = {k: sum(b[k] for b in ok) for k in ("busy_s", "prefill_s")}
 
 
-def _fast_tmp() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
 def launch_servers(n: int, model_dir: str, run_dir: Path, **kw: Any) -> list[ServerProcess]:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     return [ServerProcess(model_dir, log_path=run_dir / "logs" / f"engine-{i}.log", **kw) for i in range(n)]
+
+
+def require_vllm_python(cfg: EnginesConfig) -> str:
+    """The Python that launches vLLM servers; a ConfigError naming the fix when there is none."""
+    from ..engine.vllm import find_vllm_python
+
+    python = find_vllm_python(cfg.vllm_python)
+    if python is None:
+        where = f"'{cfg.vllm_python}' does not exist" if cfg.vllm_python else "no Python with vLLM was found"
+        raise ConfigError("engines.vllm_python", f"{where}; run `bash scripts/setup_vllm.sh` (builds .venv-vllm) "
+                                                 "or point engines.vllm_python at a Python that has vllm")
+    return python
+
+
+def vllm_cache_dir() -> str:
+    """vLLM's torch.compile cache, shared by every run of this user (a warm one halves a server's start)."""
+    return str(Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "streamrl" / "vllm")
+
+
+def build_http_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: int = 0) -> HttpPool:
+    """Servers given as `urls`, or launched here: `streamrl serve` (or real vLLM) per replica."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if cfg.backend == "vllm":  # validate() guarantees no router and disk weight sync
+        from ..engine.vllm import VLLMServer
+
+        python = require_vllm_python(cfg)
+        launched = None if cfg.urls else [
+            VLLMServer(python, model_dir, log_path=logs / f"vllm-{i}.log", dtype=cfg.dtype,
+                       max_num_seqs=cfg.max_running_requests, kv_cache_gib=cfg.vllm_kv_cache_gib, seed=seed + i,
+                       cache_dir=vllm_cache_dir(), start_timeout=cfg.start_timeout_s)
+            for i in range(cfg.num_replicas)
+        ]
+        return HttpPool(cfg.urls, launch=launched, backend="vllm")
+    routing = dict(router=cfg.router, router_log=logs / "router.log", weight_sync=cfg.weight_sync)
+    if cfg.urls:
+        return HttpPool(cfg.urls, **routing)  # type: ignore[arg-type]
+    from ..devices import resolve_device
+
+    servers = launch_servers(cfg.num_replicas, model_dir, run_dir, device=resolve_device(cfg.device), dtype=cfg.dtype,
+                             max_running_requests=cfg.max_running_requests, threads=cfg.threads, weight_version="0")
+    return HttpPool(launch=servers, **routing)  # type: ignore[arg-type]

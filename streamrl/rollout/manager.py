@@ -3,12 +3,16 @@
 One group = `group_size` samples of one prompt, generated concurrently through the pool. Admission is
 the controller's (staleness); routing is the pool's. When a weight update interrupts generation
 (pool paused with mode abort), every in-flight sample comes back with its partial tokens and
-logprobs; the manager parks it in the buffer's partial area (so a checkpoint includes it) and
-resubmits prompt + partial response with the remaining token budget at once: the paused engines hold
-it and start it with the new weights when they resume. The new tokens carry the new weight version.
-With `partial="discard"` the partial tokens are thrown away and the sample restarts (for comparison).
-With `partial="retract"` / `"in_place"` the pool is paused so that in-flight requests stay in the
-engines (their KV recomputed / kept): the manager sees each sample once, with per-token versions.
+logprobs; the manager resubmits prompt + partial response with the remaining token budget at once:
+the paused engines hold it and start it with the new weights when they resume. The new tokens carry
+the new weight version. With `partial="discard"` the partial tokens are thrown away and the sample
+restarts (for comparison). With `partial="retract"` / `"in_place"` the pool is paused so that
+in-flight requests stay in the engines (their KV recomputed / kept): the manager sees each sample
+once, with per-token versions.
+
+Every group being generated is in `_generating`, each sample as of its last returned round, so
+`snapshot()` is the whole rollout side of a checkpoint. The groups run as tasks of one TaskGroup
+inside `run()`: when groups keep failing, `run()` raises `RolloutFailed` and takes them all down.
 
 The manager knows nothing about torch or the trainer: it sees token ids, logprobs, versions and rewards.
 """
@@ -17,29 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..buffer import RolloutBuffer
-from ..buffer.controller import StalenessController
+from ..buffer import RolloutBuffer, StalenessController
+from ..config import ConfigError, RolloutConfig
 from ..types import Group, Sample
 from .pools import EnginePool
 
-
-@dataclass(kw_only=True)
-class RolloutSettings:
-    group_size: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    partial: str = "resume"  # resume | discard | retract | in_place
+if TYPE_CHECKING:
+    from ..tasks import Task
 
 
 @dataclass
@@ -59,49 +58,40 @@ class RolloutFailed(RuntimeError):
     manager stopped instead of retrying them forever."""
 
 
-T = TypeVar("T")
-
-
-RewardFn = Callable[[str, str], Any]
-
-
 class RolloutManager:
     def __init__(
         self,
+        cfg: RolloutConfig,
         *,
         pool: EnginePool,
         tokenizer: Any,
-        prompts: list[dict[str, Any]],
-        reward_fn: RewardFn,
+        task: Task,
         buffer: RolloutBuffer,
         controller: StalenessController,
-        settings: RolloutSettings,
         seed: int = 0,
         max_failed_in_a_row: int | None = None,
     ) -> None:
-        """`max_failed_in_a_row`: after that many failed groups with none finishing in between, stop
-        and set `failure` (see `or_failure`); None retries failed groups forever."""
-        if not prompts:
+        """`task`: the prompts it draws from (`train`), the ones it evaluates on (`held_out`) and the
+        reward. `max_failed_in_a_row`: after that many failed groups with none finishing in between,
+        `run()` raises RolloutFailed; None retries failed groups forever."""
+        if not task.train:
             raise ValueError("RolloutManager needs at least one prompt")
+        self.cfg = cfg
         self.pool = pool
         self.tokenizer = tokenizer
-        self.prompts = prompts
-        self.reward_fn = reward_fn
+        self.task = task
+        self.prompts = task.train
+        self.reward_fn = task.reward_fn
         self.buffer = buffer
         self.controller = controller
-        self.settings = settings
         self.counters = RolloutCounters()
+        self.max_failed_in_a_row = max_failed_in_a_row
         self._rng = random.Random(seed)
         self._order = self._prompt_stream()
         self.prompts_drawn = 0  # records taken from the stream: a resumed run skips as many
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._stopping = False
         self._next_seed = seed * 1_000_003  # sampling seeds, one per request round
         self._generating: dict[str, Group] = {}  # groups admitted and not finished, samples as they stand
         self._restored: list[Group] = []
-        self.max_failed_in_a_row = max_failed_in_a_row
-        self.failure: RolloutFailed | None = None
-        self._failed = asyncio.Event()
 
     def _prompt_stream(self) -> Iterator[dict[str, Any]]:
         """Endless shuffled epochs over the prompts."""
@@ -111,17 +101,39 @@ class RolloutManager:
             for i in order:
                 yield self.prompts[i]
 
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check_context(self, model_dir: str) -> None:
+        """The longest prompt plus `max_new_tokens` must fit the model's context (`max_position_embeddings`
+        in its config.json): otherwise every long request fails inside the engines. A ConfigError
+        naming the key, before any engine starts."""
+        context_len = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+        records = self.task.train + self.task.held_out
+        if not isinstance(context_len, int):
+            return  # the model does not say; the engines will
+        longest = max(len(self.encode(r["prompt"])) for r in records)
+        n = self.cfg.max_new_tokens
+        if longest + n > context_len:
+            raise ConfigError("rollout.max_new_tokens", f"{n} new tokens after the longest prompt ({longest} tokens) "
+                              f"exceed the model's context of {context_len} (max_position_embeddings); at most "
+                              f"{context_len - longest}")
+
     # ---- checkpoints -----------------------------------------------------------------------------
     def snapshot(self) -> tuple[bytes, dict[str, int]]:
         """The groups being generated, as msgpack, and the counters a resumed run continues from.
 
         A sample object is only updated when its request round returns, so each stands as of its
-        last round: finished, partial (tokens up to the last interruption, as parked in the buffer)
-        or not started. Resuming from this loses at most what the engines decoded since the last
-        weight update, which is where the run loop takes checkpoints."""
+        last round: finished, partial (tokens up to the last interruption) or not started. Resuming
+        from this loses at most what the engines decoded since the last weight update, which is where
+        the run loop takes checkpoints."""
         groups = list(self._generating.values())
+        partial = [s for g in groups for s in g.samples if s.status == "partial"]
         return _groups_encoder.encode(groups), {"prompts_drawn": self.prompts_drawn, "next_seed": self._next_seed,
-                                                "generating_groups": len(groups)}
+                                                "generating_groups": len(groups), "partials": len(partial)}
 
     def restore(self, generating: bytes, *, prompts_drawn: int, next_seed: int) -> list[Group]:
         """Before `run()`: continue the groups of a `snapshot` (their unfinished samples resubmitted
@@ -134,69 +146,34 @@ class RolloutManager:
         self._restored = _groups_decoder.decode(generating)
         return self._restored
 
-    def encode(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text)
+    @property
+    def pause_mode(self) -> str:
+        """How the pool holds in-flight requests at a weight update, for `rollout.partial`: `resume` and
+        `discard` abort them (they come back here partial); `retract` and `in_place` keep them in the
+        engines."""
+        return "abort" if self.cfg.partial in ("resume", "discard") else self.cfg.partial
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    @property
+    def num_partial(self) -> int:
+        """Interrupted samples waiting for their next round."""
+        return sum(s.status == "partial" for g in self._generating.values() for s in g.samples)
 
     # ---- the producer loop -----------------------------------------------------------------------
     async def run(self) -> None:
-        """Admit and launch groups until `stop()`; each finished group goes into the buffer."""
+        """Admit and launch groups until cancelled; each finished group goes into the buffer. Raises
+        RolloutFailed once `max_failed_in_a_row` groups failed in a row."""
         try:
-            for g in self._restored:
-                self._launch(g.meta, g.admitted_version, g)
-            self._restored = []
-            while not self._stopping:
-                version = await self.controller.acquire()
-                if self._stopping:
-                    await self.controller.release(version, returned=True)
-                    break
-                record = next(self._order)
-                self.prompts_drawn += 1
-                self._launch(record, version)
-        except asyncio.CancelledError:
-            pass
-
-    def _launch(self, record: dict[str, Any], version: int, group: Group | None = None) -> None:
-        task = asyncio.create_task(self._run_group(record, version, group))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def stop(self) -> None:
-        self._stopping = True
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _fail(self, error: RolloutFailed) -> None:
-        if self.failure is None:
-            self.failure = error
-            self._stopping = True
-            self._failed.set()
-
-    async def or_failure(self, aw: Awaitable[T]) -> T:
-        """Await `aw` (e.g. the next batch from the buffer), unless the manager gives up on failing
-        groups first: then cancel it and raise `RolloutFailed`, so a consumer never waits forever."""
-        task = asyncio.ensure_future(aw)
-        failed = asyncio.ensure_future(self._failed.wait())
-        try:
-            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        finally:
-            failed.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            assert self.failure is not None
-            raise self.failure
-        return task.result()
-
-    @property
-    def num_running_groups(self) -> int:
-        return len(self._tasks)
+            async with asyncio.TaskGroup() as groups:
+                for g in self._restored:
+                    groups.create_task(self._run_group(g.meta, g.admitted_version, g))
+                self._restored = []
+                while True:
+                    version = await self.controller.acquire()
+                    record = next(self._order)
+                    self.prompts_drawn += 1
+                    groups.create_task(self._run_group(record, version))
+        except* RolloutFailed as failed:
+            raise failed.exceptions[0] from None
 
     async def _run_group(self, record: dict[str, Any], version: int, group: Group | None = None) -> None:
         """Generate, score and queue one group; `group`: one restored from a checkpoint, whose
@@ -207,37 +184,40 @@ class RolloutManager:
             samples = [
                 Sample(group_id=gid, index=i, prompt_ids=prompt_ids, prompt_text=record["prompt"],
                        meta={"answer": record.get("answer", "")})
-                for i in range(self.settings.group_size)
+                for i in range(self.cfg.group_size)
             ]
             group = Group(group_id=gid, samples=samples, admitted_version=version, meta=dict(record))
-        gid, samples = group.group_id, group.samples
-        self._generating[gid] = group
+        self._generating[group.group_id] = group
         t0 = time.monotonic()
         try:
-            await self._generate(samples)
-            await asyncio.gather(*[self._score(s) for s in samples])
+            await self._generate(group.samples)
+            await self._score(group.samples)
         except asyncio.CancelledError:
-            await self.controller.release(version, returned=True)
+            self.controller.release(version, returned=True)
             raise
         except Exception as e:  # noqa: BLE001 - a failed group is counted and its slot given back
-            c = self.counters
-            c.failed += 1
-            c.failed_in_a_row += 1
-            c.last_error = f"{type(e).__name__}: {e}"
-            if self.max_failed_in_a_row is not None and c.failed_in_a_row >= self.max_failed_in_a_row:
-                self._fail(RolloutFailed(f"{c.failed_in_a_row} groups in a row failed ({c.groups_done} finished "
-                                         f"before them); the last one: {c.last_error}"))
-            await self.controller.release(version, returned=True)
+            self.controller.release(version, returned=True)
+            self._count_failure(e)
             return
         finally:
-            self._generating.pop(gid, None)
-        for s in samples:
+            self._generating.pop(group.group_id, None)
+        for s in group.samples:
             s.timings["group_s"] = time.monotonic() - t0
-        self.counters.groups_done += 1
-        self.counters.failed_in_a_row = 0
-        self.counters.samples_done += len(samples)
+        c = self.counters
+        c.groups_done += 1
+        c.failed_in_a_row = 0
+        c.samples_done += len(group.samples)
         await self.buffer.put(group)
-        await self.controller.release(version)
+        self.controller.release(version)
+
+    def _count_failure(self, e: Exception) -> None:
+        c = self.counters
+        c.failed += 1
+        c.failed_in_a_row += 1
+        c.last_error = f"{type(e).__name__}: {e}"
+        if self.max_failed_in_a_row is not None and c.failed_in_a_row >= self.max_failed_in_a_row:
+            raise RolloutFailed(f"{c.failed_in_a_row} groups in a row failed ({c.groups_done} finished before "
+                                f"them); the last one: {c.last_error}")
 
     async def _generate(self, samples: list[Sample]) -> None:
         """Generate a group's samples to the end: one `generate_many` call per round (a single HTTP
@@ -245,34 +225,28 @@ class RolloutManager:
         samples keep their partial tokens (or drop them, `partial="discard"`) and go again at once
         with the remaining budget. The engines are paused then: they hold the request and start it
         with the new weights the moment they resume (the `EnginePool.pause` contract), so the
-        recomputation is queued before the update lands instead of a round trip after it. Until its
-        next round comes back, an interrupted sample also sits in the buffer's partial area, so a
-        checkpoint taken meanwhile includes it."""
-        st = self.settings
+        recomputation is queued before the update lands instead of a round trip after it."""
+        cfg = self.cfg
         pending = []
         for s in samples:  # a restored group may hold finished samples; they are not generated again
             if s.status in ("completed", "truncated"):
                 continue
-            if s.num_tokens >= st.max_new_tokens:  # restored under a smaller budget
+            if s.num_tokens >= cfg.max_new_tokens:  # restored under a smaller budget
                 s.status, s.finish_reason = "truncated", "length"
                 continue
-            if s.status == "partial":  # restored: parked until its next round returns, as before
-                self.buffer.park_partial(s)
             pending.append(s)
         while pending:
             params = []
             for s in pending:
                 params.append({
-                    "max_new_tokens": st.max_new_tokens - s.num_tokens, "temperature": st.temperature,
-                    "top_p": st.top_p, "top_k": st.top_k, "sampling_seed": self._next_seed,
+                    "max_new_tokens": cfg.max_new_tokens - s.num_tokens, "temperature": cfg.temperature,
+                    "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": self._next_seed,
                 })
                 self._next_seed += 1
             rids = [f"{s.group_id}-{s.index}-{s.num_resumes}" for s in pending]
             results = await self.pool.generate_many([s.prompt_ids + s.response_ids for s in pending], params, rids)
             interrupted = []
             for s, res in zip(pending, results, strict=True):
-                if s.status == "partial":
-                    self.buffer.unpark_partial(s)
                 # A sample the engine kept across updates (retract / in_place) comes back with one
                 # version span per update it lived through; an aborted round always has one.
                 self.counters.partial_resumed += self._append(s, res) - 1
@@ -285,13 +259,12 @@ class RolloutManager:
                 s.status = "partial"
                 s.num_resumes += 1
                 self.counters.partial_resumed += 1
-                if st.partial == "discard" and s.num_tokens:
+                if cfg.partial == "discard" and s.num_tokens:
                     self.counters.tokens_discarded += s.num_tokens
                     s.response_ids, s.logprobs, s.versions, s.loss_mask = [], [], [], []
-                if s.num_tokens >= st.max_new_tokens:  # the update came just as the budget ran out
+                if s.num_tokens >= cfg.max_new_tokens:  # the update came just as the budget ran out
                     s.status, s.finish_reason = "truncated", "length"
                     continue
-                self.buffer.park_partial(s)
                 interrupted.append(s)
             pending = interrupted
 
@@ -307,12 +280,44 @@ class RolloutManager:
         self.counters.tokens_generated += len(ids)
         return len(spans)
 
-    async def _score(self, s: Sample) -> None:
-        s.response_text = self.decode(s.response_ids)
-        r = self.reward_fn(s.response_text, s.meta.get("answer", ""))
-        if inspect.isawaitable(r):
-            r = await r
-        s.reward = float(r)
+    async def _score(self, samples: list[Sample]) -> None:
+        """Each sample's reward; async rewards (a remote judge) are awaited together."""
+        pending = []
+        for s in samples:
+            s.response_text = self.decode(s.response_ids)
+            r = self.reward_fn(s.response_text, s.meta.get("answer", ""))
+            if inspect.isawaitable(r):
+                pending.append((s, r))
+            else:
+                s.reward = float(r)
+        if pending:
+            for (s, _), r in zip(pending, await asyncio.gather(*[r for _, r in pending]), strict=True):
+                s.reward = float(r)
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    async def evaluate(self, *, temperature: float, seed: int = 12345, records: list[dict[str, Any]] | None = None,
+                       ) -> float:
+        """Mean reward of one response per held-out record (default: the task's), through the engines
+        (not the trainer): what a user of the weights would see. NaN without records."""
+        records = self.task.held_out if records is None else records
+        if not records:
+            return float("nan")
+
+        async def one(i: int, r: dict[str, Any]) -> float:
+            params = {"max_new_tokens": self.cfg.max_new_tokens, "temperature": temperature, "sampling_seed": seed + i}
+            res = await self.pool.generate(self.encode(r["prompt"]), params, f"eval-{seed}-{i}-{time.monotonic_ns()}")
+            try:
+                out = self.reward_fn(self.decode(res["output_ids"]), r.get("answer", ""))
+                return float(await out) if inspect.isawaitable(out) else float(out)
+            except Exception as e:  # noqa: BLE001 - a user's reward function: say so in one line
+                raise RolloutFailed(f"held-out evaluation: the reward function raised {type(e).__name__}: {e}") from e
+
+        scores = await asyncio.gather(*[one(i, r) for i, r in enumerate(records)])
+        return sum(scores) / len(scores)
+
+    async def evaluate_held_out(self) -> dict[str, float]:
+        """Held-out accuracy, greedy and at the rollout temperature."""
+        return {"greedy": await self.evaluate(temperature=0.0), "sampled": await self.evaluate(temperature=self.cfg.temperature)}
 
 
 _groups_encoder = msgspec.msgpack.Encoder()

@@ -30,10 +30,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..engine import EngineError, build_result
-from ..engine.protocol import extend_version_spans, finish_reason
-from .packed_weights import pack
-from .pools import PoolBase
+from ..config import EnginesConfig
+from ..engine.protocol import EngineError, build_result, extend_version_spans, finish_reason
+from ..weights import ObjectStoreSync
+from .pools import EnginePool
 
 log = logging.getLogger(__name__)
 
@@ -178,25 +178,24 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
-class RayServePool(PoolBase):
-    """EnginePool over Ray Serve replicas of `EngineReplica`."""
+class RayServePool(EnginePool):
+    """EnginePool over Ray Serve replicas of `EngineReplica`, from `engines.*` (num_replicas, engine,
+    cpus_per_replica, gpus_per_replica, threads, stream_interval, ray_address); `engine_kwargs` go to
+    each replica's engine."""
 
-    def __init__(self, model_dir: str, *, num_replicas: int, run_dir: Path, engine_kwargs: dict[str, Any],
-                 engine: str = "torch",
-                 cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0, threads: int = 1,
-                 stream_interval: int = 8, ray_address: str | None = None, max_ongoing_requests: int = 1024,
-                 max_batch: int = 32) -> None:
+    def __init__(self, model_dir: str, cfg: EnginesConfig, *, run_dir: Path, engine_kwargs: dict[str, Any],
+                 max_ongoing_requests: int = 1024, max_batch: int = 32) -> None:
         super().__init__()
         self.model_dir = model_dir
-        self.engine = engine
-        self.num_replicas = num_replicas
+        self.engine = cfg.engine
+        self.num_replicas = cfg.num_replicas
         self.run_dir = Path(run_dir)
-        self.engine_kwargs = {**engine_kwargs, "num_threads": threads}
-        self.cpus_per_replica = cpus_per_replica
-        self.gpus_per_replica = gpus_per_replica
-        self.threads = threads
-        self.stream_interval = stream_interval
-        self.ray_address = ray_address
+        self.engine_kwargs = {**engine_kwargs, "num_threads": cfg.threads}
+        self.cpus_per_replica = cfg.cpus_per_replica
+        self.gpus_per_replica = cfg.gpus_per_replica
+        self.threads = cfg.threads
+        self.stream_interval = cfg.stream_interval
+        self.ray_address = cfg.ray_address
         self.max_ongoing_requests = max_ongoing_requests
         suffix = uuid.uuid4().hex[:8]
         self.app_name = f"streamrl-engines-{suffix}"
@@ -207,7 +206,6 @@ class RayServePool(PoolBase):
         self.requests_by_replica: Counter[str] = Counter()
         self._handle: Any = None
         self._store: Any = None
-        self._weights_box: list[Any] | None = None
         self._started_ray = False
         self._stats: list[dict[str, Any]] = []
         self._inflight = 0
@@ -245,6 +243,7 @@ class RayServePool(PoolBase):
 
         self._store = WeightStore.options(name=self.store_name, namespace=self.namespace).remote()
         ray.get(self._store.get.remote())  # the store exists before any replica looks for it
+        self.weight_sync = ObjectStoreSync(self._store, self._broadcast)
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING", "enable_access_log": False})
         env = {"OMP_NUM_THREADS": str(self.threads), "TOKENIZERS_PARALLELISM": "false"}
         dep = serve.deployment(
@@ -393,20 +392,10 @@ class RayServePool(PoolBase):
     async def resume_memory(self) -> None:
         await self._broadcast("resume_memory")
 
-    async def update_weights(self, named_tensors: Any, version: int) -> None:
-        """One `ray.put`, then every replica pulls that object. Requests sent after this returns
-        carry `version`, so no replica can serve them with older weights."""
-        import ray
-
-        table, data = await asyncio.to_thread(pack, named_tensors)
-        box = [table, await asyncio.to_thread(ray.put, data)]
-        self._weights_box = box  # the store holds a borrowed ref; the owner (us) keeps the object alive
-        # The store (for replicas that miss this broadcast) and the broadcast itself, at once.
-        _, versions = await asyncio.gather(self._store.set.remote(version, box),
-                                           self._broadcast("sync_weights", version, box))
-        if any(v < version for v in versions):
-            raise RuntimeError(f"ray_serve pool: replicas at versions {versions} after update to {version}")
-        self.version = version
+    async def push_weights(self, named_tensors: Any, version: int, pause: str | None = "abort") -> float:
+        seconds = await super().push_weights(named_tensors, version, pause)
+        self.version = version  # requests sent from now on need it: a replica that missed it loads it first
+        return seconds
 
     # ---- stats -----------------------------------------------------------------------------------
     async def refresh_stats(self) -> None:

@@ -21,13 +21,13 @@ import ray
 from ray import serve
 
 from ..engine import Engine, TorchEngine
-from .packed_weights import unpack
+from ..weights import unpack
 
 
 @ray.remote(num_cpus=0)
 class WeightStore:
     """The newest weights: a version and a box `[table, ObjectRef]` (boxed so Ray passes the ref, not
-    the value; see `packed_weights`)."""
+    the value; see `weights.formats`)."""
 
     def __init__(self) -> None:
         self.version = 0

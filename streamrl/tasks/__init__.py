@@ -1,4 +1,5 @@
-"""Built-in tasks (2-digit addition), user task loading (prompt files, reward functions) and the tiny model builder."""
+"""Tasks: the built-in 2-digit addition with its warm start, user tasks (prompt files, reward functions),
+the run's starting model (`prepare_model`: the tiny model builder, then the cached warm start)."""
 
 from streamrl.tasks.addition import (
     AdditionSplit,
@@ -9,7 +10,7 @@ from streamrl.tasks.addition import (
     split_pairs,
     to_records,
 )
-from streamrl.tasks.datasets import is_async_reward, load_prompts, load_reward_fn
+from streamrl.tasks.datasets import Task, is_async_reward, load_prompts, load_reward_fn, load_task
 from streamrl.tasks.tiny_model import (
     BOS_ID,
     EOS_ID,
@@ -21,6 +22,7 @@ from streamrl.tasks.tiny_model import (
     char_tokenizer_ids,
     count_parameters,
 )
+from streamrl.tasks.warm_start import prepare_model
 
 __all__ = [
     "BOS_ID",
@@ -30,6 +32,7 @@ __all__ = [
     "TOKENS",
     "UNK_ID",
     "AdditionSplit",
+    "Task",
     "addition_prompts",
     "build_tiny_model",
     "char_tokenizer_ids",
@@ -37,8 +40,10 @@ __all__ = [
     "is_async_reward",
     "load_prompts",
     "load_reward_fn",
+    "load_task",
     "make_answer",
     "make_prompt",
+    "prepare_model",
     "reward",
     "split_pairs",
     "to_records",

@@ -13,8 +13,11 @@ import inspect
 import json
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..config import ConfigError, DataConfig
 
 
 def _normalise(rows: Iterable[dict[str, Any]], path: Path, prompt_key: str, answer_key: str) -> list[dict]:
@@ -126,3 +129,38 @@ def is_async_reward(fn: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(fn):
         return True
     return not inspect.isroutine(fn) and inspect.iscoroutinefunction(type(fn).__call__)
+
+
+@dataclass
+class Task:
+    """What a run trains and evaluates on: prompt records and the reward that scores a response."""
+
+    train: list[dict[str, Any]]
+    held_out: list[dict[str, Any]]
+    reward_fn: Callable[..., Any]
+
+
+def load_task(cfg: DataConfig, *, seed: int = 0) -> Task:
+    """The built-in task `data.task`, or the records of `data.path` (the first `eval_size` held out,
+    at most a fifth), scored by `data.reward` or the task's own exact match. A file or reward that
+    cannot be loaded is a ConfigError naming the key."""
+    from . import addition
+
+    if cfg.task == "addition":
+        train = addition.addition_prompts("train", seed=seed)
+        held = addition.addition_prompts("held_out", seed=seed)
+    else:
+        assert cfg.path is not None  # validate() guarantees exactly one of task / path
+        try:
+            records = load_prompts(cfg.path, cfg.prompt_key, cfg.answer_key)
+        except (OSError, ValueError) as e:
+            raise ConfigError("data.path", str(e)) from None
+        n_eval = min(cfg.eval_size, len(records) // 5)
+        train, held = records[n_eval:], records[:n_eval]
+    reward: Callable[..., Any] = addition.reward
+    if cfg.reward:
+        try:
+            reward = load_reward_fn(cfg.reward)
+        except (ValueError, ImportError) as e:
+            raise ConfigError("data.reward", str(e)) from None
+    return Task(train=train, held_out=held[: cfg.eval_size], reward_fn=reward)

@@ -15,12 +15,9 @@ decides staleness, and never knows where the logprobs came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-LossKind = Literal["grpo", "decoupled_ppo", "tis"]
+from ..config import TrainerConfig
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
@@ -42,58 +39,24 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, std_normalize: bo
     return centred / (std + eps)  # [G, n]
 
 
-@dataclass(kw_only=True)
-class LossConfig:
-    """Which objective to optimise and its knobs.
-
-    kind:
-      * ``grpo``: PPO clip of pi_theta against the behaviour policy (on-policy GRPO/DAPO).
-      * ``decoupled_ppo``: AReaL eq. 5, PPO clip against pi_prox, weighted by pi_prox/pi_behav.
-      * ``tis``: PPO clip against pi_prox, weighted by min(pi_prox/pi_behav, tis_cap) (Yao et al.).
-    clip_eps / clip_eps_high: the ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]``;
-      ``clip_eps_high`` defaults to ``clip_eps`` (set it higher for DAPO's clip-higher).
-    behav_imp_weight_cap: decoupled_ppo only. Tokens whose pi_prox/pi_behav exceeds it are dropped
-      from the loss (weight 0) but still count in the token denominator, as AReaL does.
-    tis_cap: tis only. The behaviour weight is truncated (not dropped) at this value.
-    kl_coef: weight of the k3 KL estimate to a reference policy; needs ``ref_logp`` when > 0.
-    """
-
-    kind: LossKind = "grpo"
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    behav_imp_weight_cap: float | None = None
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("grpo", "decoupled_ppo", "tis"):
-            raise ValueError(f"unknown loss kind {self.kind!r}")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
-        if self.clip_eps_high is not None and self.clip_eps_high <= 0:
-            raise ValueError(f"clip_eps_high must be > 0, got {self.clip_eps_high}")
-        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
-            raise ValueError(f"behav_imp_weight_cap must be > 1, got {self.behav_imp_weight_cap}")
-        if self.tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-
-    @property
-    def clip_high(self) -> float:
-        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-
-
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg: LossConfig,
+    cfg: TrainerConfig,
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Return the scalar loss to minimise and a dict of Python-float stats.
+
+    `cfg` is the trainer's section; the loss reads ``loss`` (the kind), ``clip_eps``,
+    ``clip_eps_high``, ``behav_imp_weight_cap``, ``tis_cap`` and ``kl_coef``, bounded by the schema:
+      * ``grpo``: PPO clip of pi_theta against the behaviour policy (on-policy GRPO/DAPO).
+      * ``decoupled_ppo``: AReaL eq. 5, PPO clip against pi_prox, weighted by pi_prox/pi_behav; tokens
+        whose weight exceeds ``behav_imp_weight_cap`` get weight 0 but still count in the denominator.
+      * ``tis``: PPO clip against pi_prox, weighted by min(pi_prox/pi_behav, tis_cap) (Yao et al.).
+    The ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]`` (``clip_eps_high`` null = ``clip_eps``).
 
     Shapes: ``logp``, ``old_logp`` (behaviour), ``mask``, ``prox_logp``, ``ref_logp`` are ``[B, T]``;
     ``advantages`` is ``[B, T]`` or ``[B]`` (one per sequence, broadcast over tokens).
@@ -130,29 +93,30 @@ def policy_loss(
     behav = old_logp.detach()  # [B, T]
 
     # The ratio is taken against pi_behav for grpo and against pi_prox for the off-policy kinds.
-    if cfg.kind == "grpo":
+    if cfg.loss == "grpo":
         anchor = behav  # [B, T]
     elif prox_logp is None:
-        raise ValueError(f"loss kind {cfg.kind!r} needs prox_logp (the trainer's pre-update logprobs)")
+        raise ValueError(f"loss kind {cfg.loss!r} needs prox_logp (the trainer's pre-update logprobs)")
     else:
         anchor = prox_logp.detach()  # [B, T]
     # Zero the log-ratio off the mask *before* exp: padding or prompt positions may hold values
     # whose exp overflows, and inf * 0 in backward would turn the gradient NaN.
     log_ratio = torch.where(m, logp - anchor, 0.0)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
-    clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_high)  # [B, T]
+    clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+    clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + clip_high)  # [B, T]
     surr = -adv * ratio  # [B, T]
     surr_clipped = -adv * clipped  # [B, T]
     pg_tok = torch.maximum(surr, surr_clipped)  # [B, T]; = -min(rA, clip(r)A)
     clip_taken = (surr_clipped > surr) & m  # [B, T]
 
     # Behaviour importance weight pi_prox/pi_behav: a constant per token, never differentiated.
-    if cfg.kind == "grpo":
+    if cfg.loss == "grpo":
         weight = torch.ones_like(logp)  # [B, T]
         over_cap = torch.zeros_like(m)  # [B, T]
     else:
         w = torch.exp(torch.where(m, anchor - behav, 0.0))  # [B, T]
-        if cfg.kind == "decoupled_ppo":
+        if cfg.loss == "decoupled_ppo":
             cap = cfg.behav_imp_weight_cap
             over_cap = (w > cap) & m if cap is not None else torch.zeros_like(m)  # [B, T]
             weight = torch.where(over_cap, 0.0, w)  # [B, T]

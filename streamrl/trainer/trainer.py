@@ -27,31 +27,11 @@ from pathlib import Path
 import torch
 
 from ..batching import balanced_parts, length_buckets
+from ..config import TrainerConfig
+from ..devices import resolve_device
 from ..types import Group, Sample
 from .logprobs import Batch, pack_samples, token_logprobs
-from .losses import LossConfig, group_advantages, policy_loss
-
-
-@dataclass(kw_only=True)
-class TrainerSettings:
-    lr: float = 3e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    loss: LossConfig
-    temperature: float = 1.0  # the rollout temperature: logprobs are compared at the same T
-    device: str = "cpu"
-    ref_model_path: str | None = None  # KL reference (only loaded when loss.kl_coef > 0)
-    micro_batch_tokens: int = 4096  # padded tokens per forward/backward (gradients accumulate)
-    micro_batch_padding: float = 0.25  # padding allowed per micro-batch, as a fraction of its real tokens
-    # Samples whose advantage is exactly 0 (every sample of their group got the same reward) add 0 to
-    # the policy loss and to its gradient; only their tokens in the denominator matter. Skipping their
-    # forward/backward leaves the same update (up to float summation order) and saves their compute.
-    # Ignored with a KL term, which does depend on them.
-    skip_zero_advantage: bool = True
-    # Optimizer steps per batch. 1: pi_theta = pi_prox at the only step, so the decoupled/TIS clip
-    # never binds (docs/async.md). n > 1 costs one extra no-grad forward per sample.
-    ppo_minibatches: int = 1
-
+from .losses import group_advantages, policy_loss
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -73,30 +53,36 @@ class _Step:
 
 
 class Trainer:
-    def __init__(self, model_path: str, settings: TrainerSettings, *, version: int = 0,
-                 optimizer_state: str | Path | None = None) -> None:
-        """`optimizer_state`: an `optimizer.pt` written by `save(..., optimizer=True)`, to continue a run
+    # Samples whose advantage is exactly 0 are not computed (see `accumulate`): the same update. Tests
+    # turn it off to compare against the full computation.
+    skip_zero_advantage = True
+
+    def __init__(self, cfg: TrainerConfig, model_path: str, *, temperature: float = 1.0,
+                 ref_model_path: str | None = None, version: int = 0, optimizer_state: str | Path | None = None) -> None:
+        """`temperature`: the rollout's (engines report logprobs at it; greedy ones at 1).
+        `ref_model_path`: the KL reference (loaded only when `kl_coef > 0`; default `model_path`).
+        `optimizer_state`: an `optimizer.pt` written by `save(..., optimizer=True)`, to continue a run
         with AdamW's moments and step counts as they were (the model comes from `model_path`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.settings = settings
-        self.device = settings.device
+        self.cfg = cfg
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.device = resolve_device(cfg.device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        # fused: one kernel for every parameter instead of a loop of small ops per tensor (2-3 ms less
-        # per step for the 1 M-parameter benchmark model on one CPU core, ~1.5 % of its step).
+        # fused: one kernel for every parameter instead of a loop of small ops per tensor.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999),
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
             fused=_fused_ok(self.device),
         )
         if optimizer_state is not None:
             state = torch.load(optimizer_state, map_location=self.device, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
         self.ref_model = None
-        if settings.loss.kl_coef > 0:
-            ref = AutoModelForCausalLM.from_pretrained(settings.ref_model_path or model_path, dtype=torch.float32)
+        if cfg.kl_coef > 0:
+            ref = AutoModelForCausalLM.from_pretrained(ref_model_path or model_path, dtype=torch.float32)
             self.ref_model = ref.to(self.device).eval().requires_grad_(False)
         self.version = version
         self._acc: _Step | None = None  # a step in progress (accumulate called, finish_step not yet)
@@ -108,8 +94,7 @@ class Trainer:
         A long-tail batch padded as one is mostly padding (43 % in bench/async_vs_sync.py's `think`
         task); buckets of similar length cut the trainer's work to about the real token count.
         """
-        st = self.settings
-        return length_buckets(lengths, max_padding=st.micro_batch_padding, max_tokens=st.micro_batch_tokens)
+        return length_buckets(lengths, max_padding=self.cfg.micro_batch_padding, max_tokens=self.cfg.micro_batch_tokens)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on a whole batch: `accumulate(groups)` then `finish_step()`."""
@@ -140,19 +125,22 @@ class Trainer:
         acc.rewards.append(rewards.reshape(-1))
         acc.adv.append(adv)
         acc.n_loss += sum(sum(s.loss_mask) for s in samples)  # the denominator counts skipped samples too
-        skip = self.settings.skip_zero_advantage and self.ref_model is None
+        # A sample whose advantage is exactly 0 (its group's rewards all tie) adds 0 to the policy loss
+        # and its gradient; only its tokens in the denominator matter. Skipping its forward/backward
+        # leaves the same update (up to float summation order). Not with a KL term, which it feeds.
+        skip = self.skip_zero_advantage and self.ref_model is None
         nonzero = (adv != 0).tolist()
         trained = [i for i in range(len(samples)) if nonzero[i] or not skip]
         acc.n_trained += sum(sum(samples[i].loss_mask) for i in trained)
         acc.computed_samples += len(trained)
-        if self.settings.ppo_minibatches == 1:
+        if self.cfg.ppo_minibatches == 1:
             for sel, batch in self._packed(samples, trained):
                 self._loss_backward(acc, batch, adv[sel], None)
             return
         # Several steps per batch: pi_prox is these weights before the first of them, kept per sample.
         with torch.no_grad():
             for sel, batch in self._packed(samples, trained):
-                logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.settings.temperature)
+                logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
                 self._count_mismatch(acc, logp, batch)
                 for row, i in enumerate(sel):
                     start = len(samples[i].prompt_ids)
@@ -167,19 +155,19 @@ class Trainer:
     def _loss_backward(self, acc: _Step, batch: Batch, adv: torch.Tensor, prox: torch.Tensor | None) -> None:
         """Forward with grad, the policy loss, backward. `prox` None: the weights have not moved in this
         step, so this forward's own detached logprobs *are* pi_prox (no second forward)."""
-        cfg = self.settings.loss
+        cfg = self.cfg
         mask = batch.response_mask  # [b, T]
-        logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.settings.temperature)
+        logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
         if prox is None:
             prox = logp.detach()
             self._count_mismatch(acc, prox, batch)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask, self.settings.temperature)
+                ref = token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask, self.temperature)
         loss, stats = policy_loss(
             logp, batch.behav_logp, adv.to(self.device), mask, cfg,
-            prox_logp=None if cfg.kind == "grpo" else prox, ref_logp=ref,
+            prox_logp=None if cfg.loss == "grpo" else prox, ref_logp=ref,
         )
         # Token-level loss over the whole batch (or minibatch): each micro-batch weighs by its share of
         # tokens, n_mb / n_loss; the division comes with the optimizer step.
@@ -201,7 +189,7 @@ class Trainer:
         if acc is None:
             raise RuntimeError("finish_step without accumulate: no groups to train on")
         n_loss, n_trained = acc.n_loss, acc.n_trained
-        if self.settings.ppo_minibatches == 1:
+        if self.cfg.ppo_minibatches == 1:
             norms = [self._optimizer_step(n_loss)]
         else:
             adv = torch.cat(acc.adv)
@@ -235,7 +223,7 @@ class Trainer:
             else:
                 p.grad.div_(max(n_loss, 1))
         # max_norm=inf measures the norm without clipping (grad_clip 0 = off).
-        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
         return grad_norm
@@ -244,7 +232,7 @@ class Trainer:
         """The batch split for its optimizer steps. Split in (group, index) order, not arrival order, so
         that which samples share a step does not depend on which part of the batch came in first."""
         order = sorted(range(len(acc.samples)), key=lambda i: (acc.samples[i].group_id, acc.samples[i].index))
-        parts = balanced_parts([sum(acc.samples[i].loss_mask) for i in order], self.settings.ppo_minibatches)
+        parts = balanced_parts([sum(acc.samples[i].loss_mask) for i in order], self.cfg.ppo_minibatches)
         return [sorted(order[j] for j in part) for part in parts]
 
     def _minibatch_step(self, acc: _Step, adv: torch.Tensor, idx: list[int]) -> float:

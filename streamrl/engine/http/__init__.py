@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GlooWeightSender", "SGLangClient", "SGLangHTTPError", "build_app", "serve"]
+__all__ = ["SGLangClient", "SGLangHTTPError", "build_app", "serve"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("GlooWeightSender", "SGLangClient", "SGLangHTTPError"):
+    if name in ("SGLangClient", "SGLangHTTPError"):
         from . import client
 
         return getattr(client, name)

@@ -9,9 +9,7 @@ message. Closing a `generate_stream` early drops the connection, which aborts th
 
 from __future__ import annotations
 
-import asyncio
-import datetime
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any, Self
 
 import aiohttp
@@ -232,76 +230,3 @@ class SGLangClient(JsonHttpClient):
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
-
-    async def connect_sender(self, sender: GlooWeightSender, rank_offset: int = 1) -> None:
-        """Join this server to `sender`'s group (both sides block until everyone has joined)."""
-        await asyncio.gather(
-            asyncio.to_thread(sender.connect),
-            self.init_weights_update_group(sender.master_address, sender.master_port, rank_offset,
-                                           sender.world_size, sender.group_name, sender.backend),
-        )
-
-    async def send_weights(self, sender: GlooWeightSender, named_tensors: Iterable[tuple[str, Any]],
-                           weight_version: str | None = None) -> dict[str, Any]:
-        """Broadcast tensors from the trainer while the server receives and loads them."""
-        tensors = [(n, t.detach().contiguous().cpu()) for n, t in named_tensors]
-        names = [n for n, _ in tensors]
-        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
-        shapes = [list(t.shape) for _, t in tensors]
-        _, result = await asyncio.gather(
-            asyncio.to_thread(sender.broadcast, tensors),
-            self.update_weights_from_distributed(names, dtypes, shapes, weight_version, sender.group_name),
-        )
-        return result
-
-
-class GlooWeightSender:
-    """The trainer's side of SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`,
-    over gloo: rank 0 hosts the TCP store and broadcasts every tensor; servers join as ranks 1..N-1.
-
-    `SGLangClient.connect_sender` / `send_weights` run both sides of each step concurrently.
-    """
-
-    def __init__(self, master_address: str = "127.0.0.1", master_port: int = 0, world_size: int = 2,
-                 group_name: str = "weight_update_group", timeout_s: float = 600.0, backend: str = "gloo",
-                 device: str = "cpu") -> None:
-        import torch.distributed as dist
-
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
-        self.backend, self.device = backend, device
-
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(master_address, master_port, world_size, True, self._timeout,
-                                    wait_for_workers=False)
-        self.master_address, self.master_port = master_address, int(self._store.port)
-        self.world_size, self.group_name = world_size, group_name
-        self._pg: Any = None
-
-    def connect(self) -> None:
-        """Blocks until every rank has joined."""
-        import torch.distributed as dist
-
-        store = dist.PrefixStore(f"{self.group_name}/", self._store)
-        if self.backend == "gloo":
-            self._pg = dist.ProcessGroupGloo(store, 0, self.world_size, self._timeout)
-        else:
-            import torch
-
-            torch.cuda.set_device(torch.device(self.device))
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self._timeout
-            self._pg = dist.ProcessGroupNCCL(store, 0, self.world_size, opts)
-
-    def broadcast(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        if self._pg is None:
-            raise RuntimeError("GlooWeightSender.connect() first")
-        if self.backend == "nccl":
-            import torch
-
-            torch.cuda.set_device(torch.device(self.device))
-        for _, t in named_tensors:
-            self._pg.broadcast(t.to(self.device) if self.backend == "nccl" else t, 0).wait()
-
-    def close(self) -> None:
-        self._pg = None

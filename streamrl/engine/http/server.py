@@ -139,8 +139,8 @@ async def serve(
         await runner.cleanup()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m streamrl.engine.http.server", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "python -m streamrl.engine.http.server") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face model folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
@@ -149,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for model steps")
-    p.add_argument("--no-cpu-kernel", action="store_true", help="PyTorch SDPA instead of the compiled CPU decode attention")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--weight-version", default="default")
     args = p.parse_args(argv)
@@ -162,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         engine = TorchEngine(args.model, device=args.device, dtype=args.dtype, weight_version=args.weight_version,
-                             max_running_requests=args.max_running_requests, num_threads=args.num_threads,
-                             cpu_kernel=not args.no_cpu_kernel)
+                             max_running_requests=args.max_running_requests, num_threads=args.num_threads)
         async with engine:
             await serve(engine, args.host, args.port, args.api_key, model_name=args.served_model_name, stop=stop)
         print("streamrl serve: stopped", flush=True)

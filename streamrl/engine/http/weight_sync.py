@@ -1,18 +1,17 @@
 """Distributed weight updates: SGLang's init / update / destroy weights-update-group routes, over gloo
-(CPU tensors) or NCCL (tensors on the engine's GPU).
-
-The trainer side of the group is `GlooWeightSender` (in `client.py`).
+(CPU tensors) or NCCL (tensors on the engine's GPU). The broadcast itself, both sides, is
+`streamrl.weights.broadcast`; these routes only join the group and receive into the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from ...weights import join_group, receive
 from .common import BadRequest, ServerState, convert, json_response, read_json, state_of
 from .control import apply_weights
 
@@ -42,36 +41,6 @@ class DestroyGroupReq(msgspec.Struct):
     group_name: str = "weight_update_group"
 
 
-def _connect(req: InitGroupReq, device: str) -> Any:
-    """Join the trainer's group as rank `rank_offset` (rank 0, the trainer, hosts the TCP store; the
-    store prefix is the one torch's `new_group` and SGLang's custom groups use)."""
-    import torch
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=req.timeout_s)
-    store = dist.TCPStore(req.master_address, req.master_port, req.world_size, False, timeout)
-    prefixed = dist.PrefixStore(f"{req.group_name}/", store)
-    if req.backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, req.rank_offset, req.world_size, timeout)
-    torch.cuda.set_device(torch.device(device))  # NCCL binds the communicator to this thread's device
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(prefixed, req.rank_offset, req.world_size, opts)
-
-
-def _receive(pg: Any, req: UpdateDistributedReq, device: str) -> dict[str, Any]:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    out = {}
-    for name, dtype, shape in zip(req.names, req.dtypes, req.shapes, strict=True):
-        t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
-        pg.broadcast(t, 0).wait()  # from rank 0, the trainer
-        out[name] = t
-    return out
-
-
 def _device(st: ServerState) -> str:
     dev = str(getattr(st.engine, "device", "cpu"))
     return "cuda:0" if dev == "cuda" else dev
@@ -93,7 +62,9 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
         msg, ok = f"group {req.group_name!r} already exists", False
     else:
         try:
-            pg = await asyncio.to_thread(_connect, req, device)
+            pg = await asyncio.to_thread(
+                join_group, req.master_address, req.master_port, req.rank_offset, req.world_size,
+                group_name=req.group_name, backend=req.backend, device=device, timeout_s=req.timeout_s)
             _groups(st)[req.group_name] = (pg, device if req.backend == "nccl" else "cpu")
             msg, ok = "Succeeded to initialize custom process group.", True
         except Exception as e:  # noqa: BLE001 - reported as success=False, as SGLang does
@@ -117,7 +88,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     pg, device = group
 
     async def load(version: str) -> None:
-        tensors = await asyncio.to_thread(_receive, pg, req, device)  # generation goes on meanwhile
+        # generation goes on meanwhile
+        tensors = await asyncio.to_thread(receive, pg, req.names, req.dtypes, req.shapes, device)
         await st.engine.update_weights_from_state_dict(tensors, version)
 
     ok, msg, _ = await apply_weights(st, load, req.weight_version, req.abort_all_requests)

@@ -2,8 +2,8 @@
 
 vLLM is heavy (3.4 GB with its torch) and pins its own dependency versions, so it lives in its own
 virtual environment (`scripts/setup_vllm.sh` builds `.venv-vllm`); streamrl only needs that
-environment's Python. The server is started the way ../shared/reference/vllm_cpu.md found to work
-here: `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` entry point fails for the
+environment's Python. The server is started the way that works for the CPU build (docs/vllm.md):
+`python -m vllm.entrypoints.openai.api_server` (the `vllm serve` entry point fails for the
 `vllm-cpu` distribution), `--enable-scale-out` for the token-in/token-out API and
 `VLLM_SERVER_DEV_MODE=1` for pause/resume, collective_rpc and weight versions.
 """

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from streamrl.tasks import warm_start as sft
 from streamrl.tasks.tiny_model import build_tiny_model
-from streamrl.trainer import sft
 
 SHORT = dict(steps=50, batch_size=64, eval_samples=64)
 TINY = dict(steps=2, batch_size=8, eval_samples=8)

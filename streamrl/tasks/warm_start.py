@@ -1,9 +1,10 @@
 """The supervised warm start that makes the quickstart's RL run learn: a "sloppy teacher" on addition.
 
 This module owns the warm-start recipe, a small batched evaluator, and a content-addressed cache of
-warm-started folders. Why a sloppy teacher (reference/measured_here.md): a clean supervised run caught
-mid-transition gets worse under GRPO, while labels that are off by one half of the time give a model
-that knows the sum (greedy ~89%) but samples it inconsistently (T=1 ~48%), which is what RL then fixes.
+warm-started folders, and `prepare_model`, which builds the run's starting folder from `model.*` and
+`warm_start.*`. Why a sloppy teacher: a clean supervised run caught mid-transition gets worse under
+GRPO, while labels that are off by one half of the time give a model that knows the sum but samples it
+inconsistently, which is what RL then fixes (docs/benchmarks.md has the figures).
 It knows nothing about the RL trainer, engines or buffers; it only reads and writes HF folders.
 """
 
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from streamrl.tasks import addition
+from ..config import ConfigError, ModelConfig, WarmStartConfig
+from . import addition
 
 # Bump when the recipe's code changes meaning, so cached folders from older code are not reused.
 RECIPE_VERSION = 1
@@ -315,3 +317,24 @@ def cached_warm_start(model_dir: str | Path, cache_root: str | Path, **recipe: A
 
 def load_warm_start_metrics(folder: str | Path) -> dict[str, Any]:
     return json.loads((Path(folder) / METRICS_FILE).read_text())
+
+
+def prepare_model(model: ModelConfig, warm: WarmStartConfig, *, seed: int, log: Any = print) -> tuple[str, dict[str, Any]]:
+    """The policy's starting folder: the tiny model built if `model.init` asks and it is missing, then
+    the (cached) warm start if enabled. Returns (folder, warm-start metrics)."""
+    path = Path(model.path)
+    if not (path / "config.json").is_file():
+        if model.init != "tiny":
+            raise ConfigError("model.path", f"folder '{path}' has no config.json")
+        from .tiny_model import build_tiny_model
+
+        log(f"building tiny model at {path}")
+        build_tiny_model(path, preset="tiny", seed=model.init_seed)
+    if not warm.enabled:
+        return str(path), {}
+    recipe = dict(steps=warm.steps, batch_size=warm.batch_size, lr=warm.lr, label_noise=warm.label_noise, seed=seed)
+    target = Path(warm.cache_dir) / f"warm-{warm_start_key(path, **recipe)}"
+    cached = (target / MARKER).is_file()
+    log("warm start: reusing cache " + str(target) if cached else f"warm start: {warm.steps} supervised steps")
+    out = cached_warm_start(path, warm.cache_dir, **recipe)
+    return str(out), {**load_warm_start_metrics(out), "cached": cached}

@@ -1,0 +1,105 @@
+"""`RUN_DIR/metrics.jsonl`: one row per trainer step, from the trainer's stats and the counters of the
+rollout side (manager, controller, buffer, pool), each as the difference since the previous row; and,
+with `save_samples`, every trained group in `RUN_DIR/samples.jsonl`.
+
+The engines' busy time is read off the run loop's path: a server answers between two engine steps
+(a large prefill right after a weight update takes tens of ms), so each row uses the stats read when
+the previous row was written, and starts the next read. The idle fraction is therefore up to one
+step behind. This module only reads counters; it decides nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .buffer import RolloutBuffer, StalenessController
+from .progress import RunProgress
+from .rollout import EnginePool, RolloutManager
+from .types import Group, encode_jsonl
+
+
+async def _read_pool(pool: EnginePool) -> tuple[float, dict[str, Any]]:
+    await pool.refresh_stats()
+    return time.perf_counter(), pool.stats()
+
+
+class StepMetrics:
+    def __init__(self, run_dir: Path, steps: int, *, manager: RolloutManager, controller: StalenessController,
+                 buffer: RolloutBuffer, pool: EnginePool, save_samples: bool = False, append: bool = False,
+                 progress: bool = False) -> None:
+        """`progress`: a live bar of the run's `steps` on the terminal, updated with every row."""
+        self.manager, self.controller, self.buffer, self.pool = manager, controller, buffer, pool
+        self.bar = RunProgress(steps, enabled=progress)
+        mode = "a" if append else "w"
+        self._file = (run_dir / "metrics.jsonl").open(mode)
+        self._samples = (run_dir / "samples.jsonl").open(mode + "b") if save_samples else None
+        self._poll: asyncio.Task[tuple[float, dict[str, Any]]] | None = None
+        self._last: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+
+    async def start(self) -> None:
+        """The clock starts now, and the engines' counters are read as they stand (the held-out
+        evaluation before the run is not the first step's)."""
+        self.bar.__enter__()
+        t_pool, ps = await _read_pool(self.pool)
+        self.t0 = time.perf_counter()
+        self._last = {"t": self.t0, **self._counters(t_pool, ps)}
+
+    def _counters(self, t_pool: float, ps: dict[str, Any]) -> dict[str, float]:
+        c, cs = self.manager.counters, self.controller.stats
+        return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
+                "tokens": c.tokens_generated, "discarded": c.tokens_discarded + cs.dropped_tokens,
+                "resumed": c.partial_resumed, "dropped": cs.dropped_stale}
+
+    async def write(self, step: int, stats: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        """The step's row (trainer `stats` plus `extra` fields), appended and flushed."""
+        t_pool, ps = await (self._poll or _read_pool(self.pool))  # read at the previous row: done long since
+        self._poll = asyncio.create_task(_read_pool(self.pool))
+        now = time.perf_counter()
+        cur, last = self._counters(t_pool, ps), self._last
+        dt, dt_pool = now - last["t"], t_pool - last["t_pool"]
+        tokens = cur["tokens"] - last["tokens"]
+        row = {
+            "step": step, "version": stats["version"], "wall_s": round(now - self.t0, 4),
+            "samples": stats["samples_total"], "reward_mean": stats["reward_mean"],
+            "tokens_generated": tokens, "gen_tps": tokens / dt if dt > 0 else 0.0,
+            "loss": stats["loss"], "logprob_mismatch": stats["logprob_mismatch"],
+            "logprob_diff": stats["logprob_diff_all"],
+            "staleness_mean": stats["staleness_mean"], "staleness_max": stats["staleness_max"],
+            "partial_resumed": cur["resumed"] - last["resumed"],
+            "tokens_discarded": cur["discarded"] - last["discarded"],
+            "dropped_stale": cur["dropped"] - last["dropped"],
+            "engine_idle_frac": max(0.0, 1 - (cur["busy"] - last["busy"]) / (dt_pool * self.pool.num_replicas))
+            if dt_pool > 0 else 0.0,
+            # Engine seconds spent in prefill: prompts, plus partials recomputed after an update.
+            "engine_prefill_s": cur["prefill"] - last["prefill"],
+            "trainer_wait_s": stats["trainer_wait_s"], "train_s": stats["train_s"],
+            "batch_parts": stats["batch_parts"], "clip_frac": stats.get("clip_frac", 0.0),
+            "grad_norm": stats["grad_norm"], "skipped_samples": stats["skipped_samples"],
+            "buffer_size": len(self.buffer), **extra,
+        }
+        if self.controller.stats.decisions:
+            row["controller"] = self.controller.drain_decisions()[-5:]
+        self._last = {"t": now, **cur}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        self.bar.update(step, row)
+        return row
+
+    def write_groups(self, groups: list[Group]) -> None:
+        """A step's trained groups (with `save_samples`)."""
+        if self._samples is not None:
+            self._samples.write(encode_jsonl(groups))
+
+    async def aclose(self) -> None:
+        self.bar.__exit__(None, None, None)
+        if self._poll is not None:
+            self._poll.cancel()
+            await asyncio.gather(self._poll, return_exceptions=True)
+        self._file.close()
+        if self._samples is not None:
+            self._samples.close()

@@ -1,0 +1,39 @@
+"""`build_pool(cfg.engines, ...)`: the pool `engines.pool` names; `preflight`: what can be checked of
+it before any work. Each pool module is imported only when chosen (Ray, vLLM's client)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ConfigError, EnginesConfig
+from .pools import EnginePool, LocalPool
+
+
+def preflight(cfg: EnginesConfig) -> None:
+    """What can be checked before any work (a warm start, a trainer): a vLLM install to launch servers
+    from. A ConfigError naming the key otherwise."""
+    if cfg.pool == "http" and cfg.backend == "vllm" and not cfg.urls:
+        from .http_pool import require_vllm_python
+
+        require_vllm_python(cfg)
+
+
+def build_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: int = 0) -> EnginePool:
+    """The pool `engines.pool` names, over engines that load `model_dir` (not started yet)."""
+    if cfg.pool == "http":
+        from .http_pool import build_http_pool
+
+        return build_http_pool(cfg, model_dir, run_dir=run_dir, seed=seed)
+    engine_kwargs = dict(device=cfg.device, dtype=cfg.dtype, max_running_requests=cfg.max_running_requests,
+                         max_total_tokens=cfg.max_total_tokens, weight_version="0")
+    if cfg.pool == "ray_serve":
+        from .ray_serve_pool import RayServePool
+
+        # "auto" is resolved by each replica on its own node (the driver may have no GPU).
+        return RayServePool(model_dir, cfg, run_dir=run_dir, engine_kwargs={**engine_kwargs, "seed": seed})
+    if cfg.pool == "local":
+        from ..engine import TorchEngine
+
+        return LocalPool([TorchEngine(model_dir, **engine_kwargs, seed=seed + i, num_threads=cfg.threads)
+                          for i in range(cfg.num_replicas)])
+    raise ConfigError("engines.pool", f"pool '{cfg.pool}' is not available in this build; use local")
