@@ -41,63 +41,40 @@ RESULTS = Path(__file__).parent / "results"
 
 MODES: dict[str, dict] = {
     "sync": {"controller": {"max_staleness": 0}},
-    "sync-2threads": {"controller": {"max_staleness": 0}, "engines": {"threads": 2}, "trainer": {"threads": 2}},
     "eta1": {"controller": {"max_staleness": 1}},
     "eta2": {"controller": {"max_staleness": 2}},
     "eta4": {"controller": {"max_staleness": 4}},
-    "eta6": {"controller": {"max_staleness": 6}},
     "eta8": {"controller": {"max_staleness": 8}},
     "eta4-discard": {"controller": {"max_staleness": 4}, "rollout": {"partial": "discard"}},
     # In-flight samples stay in the engine at an update: KV recomputed there (exact, no round trip
     # through the manager), or kept from the old weights (SGLang's in_place, PipelineRL's in-flight updates).
     "eta4-retract": {"controller": {"max_staleness": 4}, "rollout": {"partial": "retract"}},
     "eta4-inplace": {"controller": {"max_staleness": 4}, "rollout": {"partial": "in_place"}},
-    "eta8-inplace": {"controller": {"max_staleness": 8}, "rollout": {"partial": "in_place"}},
     # The weights go to the engines every 2nd / 4th step only: fewer interruptions and recomputations.
-    "eta4-push2": {"controller": {"max_staleness": 4}, "trainer": {"push_every": 2}},
-    "eta8-push2": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 2}},
-    "eta8-push4": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4}},
-    "eta12-push4": {"controller": {"max_staleness": 12}, "trainer": {"push_every": 4}},
-    "eta16-push4": {"controller": {"max_staleness": 16}, "trainer": {"push_every": 4}},
-    "eta16-push8": {"controller": {"max_staleness": 16}, "trainer": {"push_every": 8}},
+    "eta4-push2": {"controller": {"max_staleness": 4}, "schedule": {"push_every": 2}},
+    "eta8-push4": {"controller": {"max_staleness": 8}, "schedule": {"push_every": 4}},
     # The same task and warm start, another seed for the RL run only (sampling, prompt order): how
     # much of a difference between modes is one run's luck.
     "sync-seed1": {"controller": {"max_staleness": 0}, "seed": 1},
-    "sync-seed2": {"controller": {"max_staleness": 0}, "seed": 2},
     "eta4-seed1": {"controller": {"max_staleness": 4}, "seed": 1},
-    # AReaL's cap on the behaviour weight pi_prox/pi_behav (tokens above it leave the loss).
-    "eta4-cap2": {"controller": {"max_staleness": 4}, "trainer": {"behav_imp_weight_cap": 2.0}},
-    "eta8-push4-cap2": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "behav_imp_weight_cap": 2.0}},
-    # The other losses at η = 4: truncated importance sampling, and PPO against the behaviour policy.
+    # The other losses: truncated importance sampling, and PPO against the behaviour policy.
     "eta4-tis": {"controller": {"max_staleness": 4}, "trainer": {"loss": "tis"}},
     "eta4-grpo": {"controller": {"max_staleness": 4}, "trainer": {"loss": "grpo"}},
-    "eta8-push4-tis": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "loss": "tis"}},
-    "eta8-push4-grpo": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "loss": "grpo"}},
-    "eta8-grpo": {"controller": {"max_staleness": 8}, "trainer": {"loss": "grpo"}},
+    "eta8-push4-grpo": {"controller": {"max_staleness": 8}, "trainer": {"loss": "grpo"}, "schedule": {"push_every": 4}},
+    # AReaL's cap on the behaviour weight pi_prox/pi_behav (tokens above it leave the loss).
+    "eta4-cap2": {"controller": {"max_staleness": 4}, "trainer": {"behav_imp_weight_cap": 2.0}},
     # Four optimizer steps per batch (`trainer.ppo_minibatches: 4`, AReaL's ppo_n_minibatches): the
     # ratio to pi_prox moves from the second step on, so decoupled PPO's clip can bind.
     "sync-mb4": {"controller": {"max_staleness": 0}, "trainer": {"ppo_minibatches": 4}},
     "eta4-mb4": {"controller": {"max_staleness": 4}, "trainer": {"ppo_minibatches": 4}},
-    "eta8-push4-mb4": {"controller": {"max_staleness": 8}, "trainer": {"push_every": 4, "ppo_minibatches": 4}},
-    "eta8-push4-grpo-mb4": {"controller": {"max_staleness": 8},
-                            "trainer": {"push_every": 4, "loss": "grpo", "ppo_minibatches": 4}},
-    # The trainer waits for its whole batch before computing any of it (`trainer.stream_batch: false`,
-    # the only way before 2026-12-02): the classic synchronous loop, and η = 4 without the parts.
-    "sync-whole": {"controller": {"max_staleness": 0}, "trainer": {"stream_batch": False}},
-    "eta4-whole": {"controller": {"max_staleness": 4}, "trainer": {"stream_batch": False}},
-    # PyTorch SDPA for decode attention instead of the compiled CPU kernel (the default before 2026-12-01).
-    "sync-sdpa": {"controller": {"max_staleness": 0}, "engines": {"cpu_kernel": False}},
-    "eta4-sdpa": {"controller": {"max_staleness": 4}, "engines": {"cpu_kernel": False}},
+    # Two torch threads for the trainer (the engine keeps one).
     "sync-trainer2threads": {"controller": {"max_staleness": 0}, "trainer": {"threads": 2}},
-    "eta2-trainer2threads": {"controller": {"max_staleness": 2}, "trainer": {"threads": 2}},
     "eta4-trainer2threads": {"controller": {"max_staleness": 4}, "trainer": {"threads": 2}},
-    # The trainer as a thread of the driver, beside the rollout manager's event loop (before 2026-11-30).
-    "eta4-trainer-thread": {"controller": {"max_staleness": 4}, "trainer": {"own_process": False}},
 }
-# What a plain run compares: sync (both loops), η = 1, 2, 4, 8 with exact resume, η = 8 pushing every
-# 4th step (with the decoupled loss, and with grpo, whose clip brakes the drift to longer thoughts),
-# and η = 4 restarting interrupted samples (`discard`). The rest are for A/B experiments.
-DEFAULT_MODES = ("sync", "sync-whole", "eta1", "eta2", "eta4", "eta8", "eta8-push4", "eta8-push4-grpo", "eta4-discard")
+# What a plain run compares: sync, η = 1, 2, 4, 8 with exact resume, η = 8 pushing every 4th step
+# (with the decoupled loss, and with grpo), and η = 4 restarting interrupted samples (`discard`).
+# The rest are for A/B experiments (docs/benchmarks.md).
+DEFAULT_MODES = ("sync", "eta1", "eta2", "eta4", "eta8", "eta8-push4", "eta8-push4-grpo", "eta4-discard")
 
 
 # Tail shapes: (fraction of long answers, repeat range of long answers, model context, max_new_tokens).
@@ -283,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             # trainer. `--pool local` keeps them in-process for comparison.
             "engines": {"max_running_requests": args.max_running, "pool": args.pool, "num_replicas": args.replicas},
             "rollout": {"group_size": 8, "max_new_tokens": max_new, "temperature": 1.0},
-            "trainer": {"steps": args.steps, "batch_groups": 8, "lr": 3e-5, "loss": "decoupled_ppo"},
+            "trainer": {"lr": 3e-5, "loss": "decoupled_ppo"}, "schedule": {"steps": args.steps, "batch_groups": 8},
         }
         rounds = []
         for k in range(args.rounds):
@@ -302,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail,
             "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps,
-            "rounds": args.rounds, "torch": torch.__version__, "python": sys.version.split()[0]}
+            "rounds": args.rounds, "torch": torch.__version__, "python": sys.version.split()[0],
+            "date": time.strftime("%Y-%m-%d %H:%M")}
     out = {"meta": meta, "results": rows}
     if args.rounds > 1:
         out["rounds"] = rounds

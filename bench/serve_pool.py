@@ -5,7 +5,7 @@ Part 1, per-request overhead: the same requests (6-token prompt, 8 new tokens, g
 a Serve replica process), at 1 and 64 concurrent callers. The difference at 1 caller is the cost of
 the Serve path (handle, router, streaming, the extra process hop) per request.
 
-Part 2, weight updates: `update_weights` (one `ray.put`, a broadcast, every replica pulls the object
+Part 2, weight updates: `weight_sync.load` (one `ray.put`, a broadcast, every replica pulls the object
 and loads it) for 1, 2 and 4 replicas, for the tiny model and a larger one, median of 5 updates.
 
 One Ray session for the whole run. Writes bench/results/serve_pool.json.
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from streamrl.config import EnginesConfig
 from streamrl.engine import TorchEngine
 from streamrl.rollout.pools import LocalPool
 from streamrl.rollout.ray_serve_pool import RayServePool, start_ray
@@ -59,7 +60,8 @@ async def load(pool, callers: int, total: int) -> dict:  # noqa: ANN001 - any En
 async def overhead(model: str, run_dir: Path, total: int) -> list[dict]:
     rows = []
     local = LocalPool([TorchEngine(model, num_threads=1, **ENGINE)])
-    serve = RayServePool(model, num_replicas=1, run_dir=run_dir, engine_kwargs=ENGINE, cpus_per_replica=1)
+    serve = RayServePool(model, EnginesConfig(pool="ray_serve", num_replicas=1, cpus_per_replica=1), run_dir=run_dir,
+                         engine_kwargs=ENGINE)
     await local.start()
     await serve.start()
     try:
@@ -80,7 +82,8 @@ async def broadcast(model: str, label: str, run_dir: Path, replicas: int, repeat
     from transformers import AutoModelForCausalLM
 
     state = AutoModelForCausalLM.from_pretrained(model).state_dict()
-    pool = RayServePool(model, num_replicas=replicas, run_dir=run_dir, engine_kwargs=ENGINE, cpus_per_replica=0.5)
+    pool = RayServePool(model, EnginesConfig(pool="ray_serve", num_replicas=replicas, cpus_per_replica=0.5),
+                        run_dir=run_dir, engine_kwargs=ENGINE)
     t0 = time.perf_counter()
     await pool.start()
     start_s = time.perf_counter() - t0
@@ -89,7 +92,7 @@ async def broadcast(model: str, label: str, run_dir: Path, replicas: int, repeat
         for v in range(1, repeats + 1):
             new = {k: t + 1e-3 * v for k, t in state.items()}
             t0 = time.perf_counter()
-            await pool.update_weights(new, v)
+            await pool.weight_sync.load(new, v)
             times.append(time.perf_counter() - t0)
         await pool.refresh_stats()
         versions = sorted({s["weight_version"] for s in pool.stats()["replicas"]})

@@ -99,7 +99,7 @@ def bench_model(name: str, path: str, python: str | None, n: int, batch: int, se
 
 def run_quickstart(pool_sets: list[str], steps: int, run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "streamrl.cli", "run", str(REPO / "configs" / "quickstart.yaml"), "--no-progress",
-           "--set", f"run_dir={run_dir}", "--set", f"trainer.steps={steps}",
+           "--set", f"run_dir={run_dir}", "--set", f"schedule.steps={steps}",
            "--set", f"model.path={REPO / '.cache' / 'streamrl' / 'tiny-model'}",
            "--set", f"warm_start.cache_dir={REPO / '.cache' / 'streamrl'}"]
     for s in pool_sets:
