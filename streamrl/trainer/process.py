@@ -20,6 +20,7 @@ import multiprocessing as mp
 import signal
 import time
 import traceback
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def _serve(conn: Any, cfg: TrainerConfig, model_path: str, kwargs: dict[str, Any
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-class _Handle:
+class _Handle(ABC):
     """What both layouts share: one worker thread that every call runs in, in order; the version and
     the samples trained so far; the step's compute time (`train_s` in `finish_step`'s stats)."""
 
@@ -86,8 +87,9 @@ class _Handle:
         self._train_s = 0.0
         self.samples = samples
 
+    @abstractmethod
     def _do(self, cmd: str, arg: Any) -> Any:
-        raise NotImplementedError
+        """Run one trainer command (accumulate, finish_step, save), blocking, in the handle's thread."""
 
     async def _run(self, cmd: str, arg: Any = None) -> Any:
         t0 = time.perf_counter()
@@ -113,9 +115,9 @@ class _Handle:
     async def save(self, out_dir: str | Path, *, optimizer: bool = False) -> Path:
         return Path(await self._run("save", (str(out_dir), optimizer)))
 
+    @abstractmethod
     def weights(self) -> dict[str, torch.Tensor]:
         """The current weights, for the engines: read between steps only."""
-        raise NotImplementedError
 
     async def aclose(self) -> None:
         self._exec.shutdown(wait=False)  # a call still running (a cancelled run) ends on its own
