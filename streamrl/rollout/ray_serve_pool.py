@@ -243,7 +243,9 @@ class RayServePool(EnginePool):
 
         self._store = WeightStore.options(name=self.store_name, namespace=self.namespace).remote()
         ray.get(self._store.get.remote())  # the store exists before any replica looks for it
-        self.weight_sync = ObjectStoreSync(self._store, self._broadcast)
+        # Requests sent from the moment the replicas hold a version carry it: a replica that missed it
+        # (one starting meanwhile) loads it before generating.
+        self.weight_sync = ObjectStoreSync(self._store, self._broadcast, loaded=self._loaded)
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING", "enable_access_log": False})
         env = {"OMP_NUM_THREADS": str(self.threads), "TOKENIZERS_PARALLELISM": "false"}
         dep = serve.deployment(
@@ -392,10 +394,8 @@ class RayServePool(EnginePool):
     async def resume_memory(self) -> None:
         await self._broadcast("resume_memory")
 
-    async def push_weights(self, named_tensors: Any, version: int, pause: str | None = "abort") -> float:
-        seconds = await super().push_weights(named_tensors, version, pause)
-        self.version = version  # requests sent from now on need it: a replica that missed it loads it first
-        return seconds
+    def _loaded(self, version: int) -> None:
+        self.version = version
 
     # ---- stats -----------------------------------------------------------------------------------
     async def refresh_stats(self) -> None:

@@ -124,8 +124,10 @@ class ObjectStoreSync(WeightSync):
     replicas that start later, and `broadcast("sync_weights", version, box)` makes every live replica
     pull them. Requests sent after `load` returns carry `version`, so no replica serves them older."""
 
-    def __init__(self, store: Any, broadcast: Callable[..., Awaitable[list[Any]]]) -> None:
-        self.store, self.broadcast = store, broadcast
+    def __init__(self, store: Any, broadcast: Callable[..., Awaitable[list[Any]]],
+                 loaded: Callable[[int], None] | None = None) -> None:
+        """`loaded(version)` runs as soon as every replica holds `version`, before the pool resumes."""
+        self.store, self.broadcast, self.loaded = store, broadcast, loaded
         self._box: list[Any] | None = None
 
     async def load(self, named_tensors: Any, version: int) -> None:
@@ -140,6 +142,8 @@ class ObjectStoreSync(WeightSync):
                                            self.broadcast("sync_weights", version, box))
         if any(v < version for v in versions):
             raise RuntimeError(f"ray_serve pool: replicas at versions {versions} after update to {version}")
+        if self.loaded is not None:
+            self.loaded(version)
 
 
 def _fast_tmp() -> str | None:
