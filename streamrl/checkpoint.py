@@ -73,8 +73,9 @@ async def save_checkpoint(r: RunParts, step: int) -> Path:
     the event loop, so buffer and manager agree; the model is written by the trainer (idle between
     steps), so generation goes on meanwhile."""
     out = Path(r.cfg.run_dir) / "checkpoints" / f"step-{step}"
-    rollout_state = r.buffer.state_dict()
-    generating, counters = r.manager.snapshot()
+    async with r.manager.tool_gate.shut():  # every tool call in the snapshot is whole, or not started
+        rollout_state = r.buffer.state_dict()
+        generating, counters = r.manager.snapshot()
     state = RunState(
         format=FORMAT, step=step, version=r.trainer.version, samples=r.trainer.samples, queued_groups=len(r.buffer),
         partials=counters["partials"], generating_groups=counters["generating_groups"],

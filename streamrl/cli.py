@@ -136,6 +136,10 @@ def _print_rollout_summary(s: dict) -> None:
               f"{s['length_mean']:.1f} / {s['length_p50']} / {s['length_p90']} / {s['length_max']}")
     t.add_row("finish reasons", ", ".join(f"{k} {v}" for k, v in sorted(s["finish_reasons"].items())))
     t.add_row("samples/s, tokens/s", f"{s['samples_per_s']:.1f}, {s['tokens_per_s']:.0f}")
+    if "turns_mean" in s:
+        t.add_row("model turns per sample (mean)", f"{s['turns_mean']:.2f}")
+        t.add_row("tool calls: per sample / errors", f"{s['tool_calls_per_sample']:.2f} / {s['tool_errors']}")
+        t.add_row("tokens masked out of the loss", f"{s['masked_token_frac']:.1%}")
     if s["failed_groups"]:
         t.add_row("failed groups (retried)", str(s["failed_groups"]))
     Console().print(t)
@@ -194,7 +198,7 @@ def _print_summary(s: dict) -> None:
 def _cmd_init_model(args: argparse.Namespace) -> int:
     from .tasks import build_tiny_model, count_parameters
 
-    path = build_tiny_model(args.dir, preset=args.preset, seed=args.seed, arch=args.arch)
+    path = build_tiny_model(args.dir, preset=args.preset, seed=args.seed, arch=args.arch, agent=args.agent)
     from transformers import AutoModelForCausalLM
 
     n = count_parameters(AutoModelForCausalLM.from_pretrained(path))
@@ -302,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", help="tiny (~1 M) | small (~4 M) | bench100m (~85 M)")
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--agent", action="store_true", help="with chat and tool-call tokens and a chat template")
     p.set_defaults(fn=_cmd_init_model)
 
     p = sub.add_parser("config", help="list every config key with its type, default and meaning")

@@ -38,6 +38,7 @@ class StepMetrics:
         self._file = (run_dir / "metrics.jsonl").open(mode)
         self._samples = (run_dir / "samples.jsonl").open(mode + "b") if save_samples else None
         self._poll: asyncio.Task[tuple[float, dict[str, Any]]] | None = None
+        self._turns: dict[str, float] = {}
         self._last: dict[str, float] = {}
         self.t0 = time.perf_counter()
 
@@ -53,7 +54,8 @@ class StepMetrics:
         c, cs = self.manager.counters, self.controller.stats
         return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
                 "tokens": c.tokens_generated, "discarded": c.tokens_discarded + cs.dropped_tokens,
-                "resumed": c.partial_resumed, "dropped": cs.dropped_stale}
+                "resumed": c.partial_resumed, "dropped": cs.dropped_stale, "tool_calls": c.tool_calls,
+                "tool_errors": c.tool_errors, "tool_s": c.tool_s}
 
     async def write(self, step: int, stats: dict[str, Any], **extra: Any) -> dict[str, Any]:
         """The step's row (trainer `stats` plus `extra` fields), appended and flushed."""
@@ -82,6 +84,8 @@ class StepMetrics:
             "grad_norm": stats["grad_norm"], "skipped_samples": stats["skipped_samples"],
             "buffer_size": len(self.buffer), **extra,
         }
+        if self.manager.workflow is not None:  # multi-turn: the step's turns and the tools since the last row
+            row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s")}
         if self.controller.stats.decisions:
             row["controller"] = self.controller.drain_decisions()[-5:]
         self._last = {"t": now, **cur}
@@ -91,9 +95,13 @@ class StepMetrics:
         return row
 
     def write_groups(self, groups: list[Group]) -> None:
-        """A step's trained groups (with `save_samples`)."""
+        """A step's trained groups (with `save_samples`), and what its row says of their turns."""
         if self._samples is not None:
             self._samples.write(encode_jsonl(groups))
+        samples = [s for g in groups for s in g.samples]
+        tokens = sum(s.num_tokens for s in samples)
+        self._turns = {"turns_mean": sum(t.kind == "model" for s in samples for t in s.turns) / max(len(samples), 1),
+                       "masked_token_frac": sum(s.num_tokens - sum(s.loss_mask) for s in samples) / max(tokens, 1)}
 
     async def aclose(self) -> None:
         self.bar.__exit__(None, None, None)

@@ -38,11 +38,11 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
     from transformers import AutoTokenizer
 
     task = load_task(cfg.data, seed=cfg.seed)  # first: a bad dataset or reward spec stops before any work
-    preflight(cfg.engines)
+    preflight(cfg)
     run_dir = Path(cfg.run_dir)
     dump_config(cfg, run_dir / "config.yaml")
     out = out or run_dir / "rollouts.jsonl"
-    model_dir, _ = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, log=log)
+    model_dir, _ = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, task=cfg.data.task, log=log)
     bg = cfg.schedule.batch_groups
     # The version never moves, so admission is bounded by the budget alone: a staleness bound of
     # ceil(groups / batch_groups) versions lets all of them start (still capped by max_concurrent_groups).
@@ -51,7 +51,8 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
     buffer = RolloutBuffer(BufferConfig(priority="fifo"))
     pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed)
     manager = RolloutManager(cfg.rollout, pool=pool, tokenizer=AutoTokenizer.from_pretrained(model_dir), task=task,
-                             buffer=buffer, controller=ctl, seed=cfg.seed, max_failed_in_a_row=groups)
+                             buffer=buffer, controller=ctl, seed=cfg.seed, max_failed_in_a_row=groups,
+                             tools=cfg.tools)
     manager.check_context(model_dir)
     done: list[Group] = []
     async with pool:
@@ -98,7 +99,20 @@ def summarize(groups: list[Group], wall_s: float) -> dict[str, Any]:
         "finish_reasons": dict(Counter(s.finish_reason or "none" for s in samples)),
         "samples_per_s": len(samples) / wall_s if wall_s > 0 else 0.0,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        **_turn_stats(samples),
     }
+
+
+def _turn_stats(samples: list) -> dict[str, Any]:
+    """Multi-turn samples: model turns per sample, tool calls (and errors), tokens masked out of the loss."""
+    if not any(s.turns for s in samples):
+        return {}
+    tools = [t for s in samples for t in s.turns if t.kind == "tool" and t.tool is not None]
+    return {"turns_mean": statistics.fmean(sum(t.kind == "model" for t in s.turns) for s in samples),
+            "tool_calls": len(tools), "tool_errors": sum(t.error is not None for t in tools),
+            "tool_calls_per_sample": len(tools) / len(samples),
+            "masked_token_frac": sum(s.num_tokens - sum(s.loss_mask) for s in samples) / max(1, sum(
+                s.num_tokens for s in samples))}
 
 
 class _progress:

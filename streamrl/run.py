@@ -45,13 +45,13 @@ class Run:
 
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
     task = load_task(cfg.data, seed=cfg.seed)  # a bad dataset or reward stops here, before any work,
-    preflight(cfg.engines)  # as does a missing engine install,
+    preflight(cfg)  # as does a workflow, tool or engine install that will not load,
     resume = load_resume(cfg)  # and a checkpoint that cannot continue this config
     run_dir = Path(cfg.run_dir)
     dump_config(cfg, run_dir / "config.yaml")
     t_start = time.perf_counter()
     if resume is None:
-        model_dir, warm = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, log=log)
+        model_dir, warm = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, task=cfg.data.task, log=log)
         base_model, summary = model_dir, {"run_dir": str(run_dir), "model_dir": model_dir, "warm_start": warm}
     else:  # the checkpoint's policy, for engines and trainer alike; no warm start
         model_dir, base_model, summary = resume.start(run_dir, log)
@@ -78,9 +78,8 @@ async def build(cfg: Config, stack: AsyncExitStack, task: Task, model_dir: str, 
                                      max_groups=sched.steps * sched.batch_groups)
     buffer = RolloutBuffer(cfg.buffer, on_drop=controller.dropped)
     pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed)
-    # Four batches' worth of groups failing with none finishing: stop with the reason, not hang.
     manager = RolloutManager(cfg.rollout, pool=pool, tokenizer=trainer.tokenizer, task=task, buffer=buffer,
-                             controller=controller, seed=cfg.seed, max_failed_in_a_row=4 * sched.batch_groups)
+                             controller=controller, seed=cfg.seed, tools=cfg.tools)
     manager.check_context(model_dir)
     await stack.enter_async_context(pool)
     if cfg.engines.urls or resume is not None:

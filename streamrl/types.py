@@ -16,6 +16,23 @@ import msgspec
 SampleStatus = Literal["pending", "partial", "completed", "truncated", "aborted", "failed"]
 
 
+class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One turn of a multi-turn sample: the response tokens `[start, end)` that the model produced
+    (`kind="model"`, trainable) or that a tool or the environment returned (`kind="tool"`, masked).
+
+    The turns of a sample are its journal: a sample continued from a checkpoint replays them instead
+    of generating or calling a tool again."""
+
+    kind: Literal["model", "tool"]
+    start: int
+    end: int
+    finish: str | None = None  # model: stop | length; None while the turn is still being generated
+    tool: str | None = None  # tool: its name
+    call: str | None = None  # tool: the call's arguments as the model wrote them
+    error: str | None = None  # tool: why it failed (the observation says so too)
+    seconds: float = 0.0  # tool: how long it ran
+
+
 class Sample(msgspec.Struct, kw_only=True):
     """One response to one prompt.
 
@@ -37,6 +54,7 @@ class Sample(msgspec.Struct, kw_only=True):
     response_text: str = ""
     meta: dict[str, Any] = msgspec.field(default_factory=dict)  # task fields, e.g. the reference answer
     timings: dict[str, float] = msgspec.field(default_factory=dict)
+    turns: list[Turn] = msgspec.field(default_factory=list)  # multi-turn samples only (workflows)
 
     def append(self, token_ids: list[int], logprobs: list[float], version: int, trainable: bool = True) -> None:
         """Extend the response with tokens produced by weights of ``version``."""

@@ -32,3 +32,10 @@ def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(
         tmp_path_factory.mktemp("models") / "engine_b", preset="tiny", seed=1, initializer_range=0.5
     )
+
+
+@pytest.fixture(scope="session")
+def agent_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with chat and tool-call tokens (`agent=True`), wide init as `engine_model_dir`."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "agent", preset="tiny", seed=0, agent=True,
+                            initializer_range=0.5)

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 from streamrl.tasks.tiny_model import (
+    AGENT_TOKENS,
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -63,7 +64,25 @@ def test_tokenizer_round_trip_matches_char_ids(tiny_dir: Path, loader: type) -> 
 
 
 def test_char_tokenizer_ids_unknown_chars() -> None:
-    assert char_tokenizer_ids("1a<eos>") == [5, UNK_ID, EOS_ID]
+    assert char_tokenizer_ids("1A<eos>") == [5, UNK_ID, EOS_ID]
+
+
+def test_an_agent_model_adds_chat_and_tool_tokens_to_the_same_weights(tiny_dir: Path, tmp_path: Path) -> None:
+    """`agent=True`: chat and tool tags one token each (special: dropped by skip_special_tokens),
+    letters for tool names, a chat template; every weight of the plain model the same, with rows added."""
+    agent = build_tiny_model(tmp_path / "agent", preset="tiny", seed=0, agent=True)
+    tok = AutoTokenizer.from_pretrained(agent)
+    assert len(tok) == len(AGENT_TOKENS) == 57  # 4 special, 19 characters, 8 chat/tool tokens, 26 letters
+    ids = tok.encode("<|user|>3*4<|end|><tool>calculator: 3*4</tool><result>12</result>", add_special_tokens=False)
+    assert ids == char_tokenizer_ids(tok.decode(ids))
+    assert tok.convert_ids_to_tokens(ids[:1] + ids[4:6]) == ["<|user|>", "<|end|>", "<tool>"]
+    assert tok.decode(ids, skip_special_tokens=True) == "3*4calculator: 3*412"
+    chat = tok.apply_chat_template([{"role": "user", "content": "3*4"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|user|>3*4<|end|><|assistant|>"
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    grown = AutoModelForCausalLM.from_pretrained(agent).state_dict()
+    for k, v in plain.items():
+        assert torch.equal(grown[k][: v.shape[0]], v), k
 
 
 def test_same_seed_same_weights(tmp_path: Path) -> None:

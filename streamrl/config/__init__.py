@@ -21,6 +21,7 @@ from .schema import (
     ModelConfig,
     RolloutConfig,
     ScheduleConfig,
+    ToolsConfig,
     TrainerConfig,
     WarmStartConfig,
 )
@@ -28,6 +29,7 @@ from .validate import validate
 
 __all__ = [
     "DATA_SUFFIXES", "KNOWN_TASKS", "BufferConfig", "Config", "ConfigError", "ControllerConfig", "DataConfig",
-    "EnginesConfig", "ModelConfig", "RolloutConfig", "ScheduleConfig", "TrainerConfig", "WarmStartConfig", "config_from_dict",
+    "EnginesConfig", "ModelConfig", "RolloutConfig", "ScheduleConfig", "ToolsConfig",
+    "TrainerConfig", "WarmStartConfig", "config_from_dict",
     "describe_config", "dump_config", "load_config", "validate",
 ]

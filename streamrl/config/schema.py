@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-KNOWN_TASKS = ("addition",)  # built-in tasks (streamrl.tasks); kept here so config never imports them
+KNOWN_TASKS = ("addition", "multiply")  # built-in tasks (streamrl.tasks); kept here so config never imports them
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -43,7 +43,9 @@ class ModelConfig(_Section):
     path: Annotated[str, _d("HF model folder: config.json, weights, tokenizer", min_length=1)] = (
         ".cache/streamrl/tiny-model"
     )
-    init: Annotated[Literal["none", "tiny"], _d("tiny: build a tiny model at path if missing")] = "tiny"
+    init: Annotated[Literal["none", "tiny", "tiny_agent"], _d(
+        "tiny: build a tiny model at path if missing; tiny_agent: with chat and tool-call tokens"
+    )] = "tiny"
     init_seed: Annotated[int, _d("seed for building the tiny model", ge=0)] = 0
 
 
@@ -116,6 +118,26 @@ class RolloutConfig(_Section):
         _d("samples in flight at a weight sync: resume (abort, resubmit, KV recomputed), discard (restart), "
            "retract (kept in the engine, KV recomputed), in_place (kept, old KV reused)"),
     ] = "resume"
+    workflow: Annotated[str, _d(
+        "how one sample is generated: single_turn (prompt -> completion), multi_turn_tools (the model "
+        "calls tools, see tools.*), or 'module:function' / 'file.py:function', an async "
+        "workflow(record, episode) (docs/agentic.md)", min_length=1,
+    )] = "single_turn"
+    max_turns: Annotated[int, _d("multi_turn_tools: model turns per sample at most", ge=1)] = 4
+
+
+class ToolsConfig(_Section):
+    functions: Annotated[list[str], _d(
+        "tools the model may call: 'calculator' (built in) or 'name=module:function' (sync or async, "
+        "one str argument, returns the observation)"
+    )] = msgspec.field(default_factory=lambda: ["calculator"])
+    timeout_s: Annotated[float, _d("a tool call running longer is an error observation", gt=0)] = 5.0
+    call_open: Annotated[str, _d("text that opens a tool call: call_open NAME: ARGS call_close", min_length=1)] = (
+        "<tool>"
+    )
+    call_close: Annotated[str, _d("text that closes a tool call (generation stops there)", min_length=1)] = "</tool>"
+    result_open: Annotated[str, _d("text before a tool's observation (masked out of the loss)")] = "<result>"
+    result_close: Annotated[str, _d("text after a tool's observation (masked out of the loss)")] = "</result>"
 
 
 class ControllerConfig(_Section):
@@ -213,3 +235,4 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     schedule: Annotated[ScheduleConfig, _d("steps, batch size, and when to push, evaluate and save")] = (
         _sec(ScheduleConfig)
     )
+    tools: Annotated[ToolsConfig, _d("tools of rollout.workflow: multi_turn_tools")] = _sec(ToolsConfig)

@@ -17,7 +17,7 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         mp = Path(m.path)
         if mp.exists() and not mp.is_dir():
             raise ConfigError("model.path", f"'{m.path}' is not a folder")
-        if not mp.exists() and m.init != "tiny":
+        if not mp.exists() and m.init == "none":
             raise ConfigError(
                 "model.path", f"folder '{m.path}' does not exist (or set model.init=tiny to build one)"
             )
@@ -38,6 +38,14 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             raise ConfigError("data.path", f"file '{d.path}' does not exist")
     if d.reward is not None and not _REWARD_RE.match(d.reward):
         raise ConfigError("data.reward", f"expected 'module:function' or 'file.py:function', got '{d.reward}'")
+    wf = cfg.rollout.workflow
+    if wf not in ("single_turn", "multi_turn_tools") and not _REWARD_RE.match(wf):
+        raise ConfigError("rollout.workflow", f"expected single_turn, multi_turn_tools, 'module:function' or "
+                                              f"'file.py:function', got '{wf}'")
+    for i, spec in enumerate(cfg.tools.functions):
+        name, eq, target = spec.partition("=")
+        if not (name == "calculator" and not eq) and not (eq and name.isidentifier() and _REWARD_RE.match(target)):
+            raise ConfigError(f"tools.functions[{i}]", f"expected 'calculator' or 'name=module:function', got '{spec}'")
     if e.max_total_tokens is not None and e.max_total_tokens < cfg.rollout.max_new_tokens:
         raise ConfigError(
             "engines.max_total_tokens",

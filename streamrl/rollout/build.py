@@ -5,17 +5,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ConfigError, EnginesConfig
+from ..config import Config, ConfigError, EnginesConfig
 from .pools import EnginePool, LocalPool
 
 
-def preflight(cfg: EnginesConfig) -> None:
-    """What can be checked before any work (a warm start, a trainer): a vLLM install to launch servers
-    from. A ConfigError naming the key otherwise."""
-    if cfg.pool == "http" and cfg.backend == "vllm" and not cfg.urls:
+def preflight(cfg: Config) -> None:
+    """What can be checked of the rollout side before any work (a warm start, a trainer): the
+    workflow and tools load, and a vLLM install exists to launch servers from. A ConfigError naming
+    the key otherwise."""
+    from .tools import ToolBox
+    from .workflows import load_workflow
+
+    try:
+        workflow = load_workflow(cfg.rollout.workflow)
+    except (ValueError, ImportError) as e:
+        raise ConfigError("rollout.workflow", str(e)) from None
+    if workflow is not None:
+        try:
+            ToolBox(cfg.tools)
+        except (ValueError, ImportError) as e:
+            raise ConfigError("tools.functions", str(e)) from None
+    e = cfg.engines
+    if e.pool == "http" and e.backend == "vllm" and not e.urls:
         from .http_pool import require_vllm_python
 
-        require_vllm_python(cfg)
+        require_vllm_python(e)
 
 
 def build_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: int = 0) -> EnginePool:

@@ -33,9 +33,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..buffer import RolloutBuffer, StalenessController
-from ..config import ConfigError, RolloutConfig
+from ..config import ConfigError, RolloutConfig, ToolsConfig
 from ..types import Group, Sample
+from .episode import Episode, ToolGate
 from .pools import EnginePool
+from .tools import ToolBox
+from .workflows import load_workflow
 
 if TYPE_CHECKING:
     from ..tasks import Task
@@ -51,6 +54,9 @@ class RolloutCounters:
     failed: int = 0
     failed_in_a_row: int = 0  # failed groups since the last one that finished
     last_error: str | None = None  # why the last failed group failed, for a user-facing message
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0  # seconds tools ran, summed over calls
 
 
 class RolloutFailed(RuntimeError):
@@ -69,11 +75,14 @@ class RolloutManager:
         buffer: RolloutBuffer,
         controller: StalenessController,
         seed: int = 0,
-        max_failed_in_a_row: int | None = None,
+        max_failed_in_a_row: int | None = -1,
+        tools: ToolsConfig | None = None,
     ) -> None:
         """`task`: the prompts it draws from (`train`), the ones it evaluates on (`held_out`) and the
         reward. `max_failed_in_a_row`: after that many failed groups with none finishing in between,
-        `run()` raises RolloutFailed; None retries failed groups forever."""
+        `run()` raises RolloutFailed instead of hanging (default: four batches' worth); None retries
+        failed groups forever. `tools`: what a workflow's model may call (`rollout.workflow` other
+        than single_turn)."""
         if not task.train:
             raise ValueError("RolloutManager needs at least one prompt")
         self.cfg = cfg
@@ -85,13 +94,16 @@ class RolloutManager:
         self.buffer = buffer
         self.controller = controller
         self.counters = RolloutCounters()
-        self.max_failed_in_a_row = max_failed_in_a_row
+        self.max_failed_in_a_row = 4 * controller.batch_groups if max_failed_in_a_row == -1 else max_failed_in_a_row
         self._rng = random.Random(seed)
         self._order = self._prompt_stream()
         self.prompts_drawn = 0  # records taken from the stream: a resumed run skips as many
         self._next_seed = seed * 1_000_003  # sampling seeds, one per request round
         self._generating: dict[str, Group] = {}  # groups admitted and not finished, samples as they stand
         self._restored: list[Group] = []
+        self.workflow = load_workflow(cfg.workflow)
+        self.tools = ToolBox(tools or ToolsConfig()) if self.workflow is not None else None
+        self.tool_gate = ToolGate()  # a checkpoint shuts it: no tool call half in a snapshot
 
     def _prompt_stream(self) -> Iterator[dict[str, Any]]:
         """Endless shuffled epochs over the prompts."""
@@ -101,8 +113,8 @@ class RolloutManager:
             for i in order:
                 yield self.prompts[i]
 
-    def encode(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text)
+    def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -181,8 +193,9 @@ class RolloutManager:
         if group is None:
             gid = uuid.uuid4().hex[:12]
             prompt_ids = self.encode(record["prompt"])
+            text = record["prompt"] if isinstance(record["prompt"], str) else self.tokenizer.decode(prompt_ids)
             samples = [
-                Sample(group_id=gid, index=i, prompt_ids=prompt_ids, prompt_text=record["prompt"],
+                Sample(group_id=gid, index=i, prompt_ids=prompt_ids, prompt_text=text,
                        meta={"answer": record.get("answer", "")})
                 for i in range(self.cfg.group_size)
             ]
@@ -190,7 +203,11 @@ class RolloutManager:
         self._generating[group.group_id] = group
         t0 = time.monotonic()
         try:
-            await self._generate(group.samples)
+            if self.workflow is None:
+                await self._generate(group.samples)
+            else:
+                await asyncio.gather(*[self._run_episode(s, record) for s in group.samples
+                                       if s.status not in ("completed", "truncated")])
             await self._score(group.samples)
         except asyncio.CancelledError:
             self.controller.release(version, returned=True)
@@ -219,6 +236,23 @@ class RolloutManager:
             raise RolloutFailed(f"{c.failed_in_a_row} groups in a row failed ({c.groups_done} finished before "
                                 f"them); the last one: {c.last_error}")
 
+    async def _run_episode(self, s: Sample, record: dict[str, Any]) -> None:
+        assert self.workflow is not None
+        await self.workflow(record, Episode(self, s, record))
+        last = next((t for t in reversed(s.turns) if t.kind == "model"), None)
+        s.finish_reason = last.finish if last is not None else "length"
+        s.status = "completed" if s.finish_reason == "stop" else "truncated"
+
+    def sampling_params(self, max_new_tokens: int, stop: list[str] | None = None) -> dict[str, Any]:
+        """One request's sampling parameters, with the next sampling seed."""
+        cfg = self.cfg
+        params = {"max_new_tokens": max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                  "top_k": cfg.top_k, "sampling_seed": self._next_seed}
+        if stop:
+            params["stop"] = stop
+        self._next_seed += 1
+        return params
+
     async def _generate(self, samples: list[Sample]) -> None:
         """Generate a group's samples to the end: one `generate_many` call per round (a single HTTP
         request where the server takes batches). A weight update ends a round early; interrupted
@@ -236,20 +270,14 @@ class RolloutManager:
                 continue
             pending.append(s)
         while pending:
-            params = []
-            for s in pending:
-                params.append({
-                    "max_new_tokens": cfg.max_new_tokens - s.num_tokens, "temperature": cfg.temperature,
-                    "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": self._next_seed,
-                })
-                self._next_seed += 1
+            params = [self.sampling_params(cfg.max_new_tokens - s.num_tokens) for s in pending]
             rids = [f"{s.group_id}-{s.index}-{s.num_resumes}" for s in pending]
             results = await self.pool.generate_many([s.prompt_ids + s.response_ids for s in pending], params, rids)
             interrupted = []
             for s, res in zip(pending, results, strict=True):
                 # A sample the engine kept across updates (retract / in_place) comes back with one
                 # version span per update it lived through; an aborted round always has one.
-                self.counters.partial_resumed += self._append(s, res) - 1
+                self.counters.partial_resumed += self.append_result(s, res) - 1
                 finish = res["meta_info"]["finish_reason"]
                 if finish["type"] != "abort":
                     s.finish_reason = finish["type"]
@@ -268,7 +296,7 @@ class RolloutManager:
                 interrupted.append(s)
             pending = interrupted
 
-    def _append(self, s: Sample, res: dict[str, Any]) -> int:
+    def append_result(self, s: Sample, res: dict[str, Any]) -> int:
         """Add a round's tokens to `s`, each with the version that produced it; returns the versions seen."""
         meta = res["meta_info"]
         ids = res["output_ids"]
@@ -284,7 +312,8 @@ class RolloutManager:
         """Each sample's reward; async rewards (a remote judge) are awaited together."""
         pending = []
         for s in samples:
-            s.response_text = self.decode(s.response_ids)
+            # Multi-turn samples keep their special tokens: tool tags read as written.
+            s.response_text = self.tokenizer.decode(s.response_ids, skip_special_tokens=not s.turns)
             r = self.reward_fn(s.response_text, s.meta.get("answer", ""))
             if inspect.isawaitable(r):
                 pending.append((s, r))
@@ -305,9 +334,16 @@ class RolloutManager:
 
         async def one(i: int, r: dict[str, Any]) -> float:
             params = {"max_new_tokens": self.cfg.max_new_tokens, "temperature": temperature, "sampling_seed": seed + i}
-            res = await self.pool.generate(self.encode(r["prompt"]), params, f"eval-{seed}-{i}-{time.monotonic_ns()}")
+            rid = f"eval-{seed}-{i}-{time.monotonic_ns()}"
+            if self.workflow is None:
+                res = await self.pool.generate(self.encode(r["prompt"]), params, rid)
+                text = self.decode(res["output_ids"])
+            else:  # every turn of the workflow, the tools included
+                s = Sample(group_id=rid, prompt_ids=self.encode(r["prompt"]), meta={"answer": r.get("answer", "")})
+                await self.workflow(r, Episode(self, s, r, sampling={"temperature": temperature, "sampling_seed": seed + i}))
+                text = self.tokenizer.decode(s.response_ids, skip_special_tokens=False)
             try:
-                out = self.reward_fn(self.decode(res["output_ids"]), r.get("answer", ""))
+                out = self.reward_fn(text, r.get("answer", ""))
                 return float(await out) if inspect.isawaitable(out) else float(out)
             except Exception as e:  # noqa: BLE001 - a user's reward function: say so in one line
                 raise RolloutFailed(f"held-out evaluation: the reward function raised {type(e).__name__}: {e}") from e
@@ -324,9 +360,14 @@ _groups_encoder = msgspec.msgpack.Encoder()
 _groups_decoder = msgspec.msgpack.Decoder(list[Group])
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """A prompt's token ids as the engines get them: `<bos>` (if the tokenizer has one), then the text."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """A prompt's token ids as the engines get them: a text as `<bos>` (if the tokenizer has one) and
+    the text; a chat (a list of `{"role", "content"}` messages, as verl and slime data files hold
+    them) rendered by the tokenizer's chat template, ready for the assistant's turn."""
+    if isinstance(prompt, list):
+        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
     return [bos, *ids] if bos is not None else ids
 

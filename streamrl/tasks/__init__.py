@@ -12,6 +12,7 @@ from streamrl.tasks.addition import (
 )
 from streamrl.tasks.datasets import Task, is_async_reward, load_prompts, load_reward_fn, load_task
 from streamrl.tasks.tiny_model import (
+    AGENT_TOKENS,
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -25,6 +26,7 @@ from streamrl.tasks.tiny_model import (
 from streamrl.tasks.warm_start import prepare_model
 
 __all__ = [
+    "AGENT_TOKENS",
     "BOS_ID",
     "EOS_ID",
     "PAD_ID",

@@ -102,26 +102,30 @@ def _import_module(module_name: str) -> Any:
         raise ValueError(f"reward module {module_name!r} failed to import: {e}") from e
 
 
-def load_reward_fn(spec: str) -> Callable[..., Any]:
+def load_callable(spec: str, what: str = "reward function") -> Callable[..., Any]:
     """Resolve ``"package.module:function"`` (or ``"module:Class.method"``, ``"file.py:function"``).
 
-    Returns the callable as is, sync or async (`is_async_reward` tells which). Raises ValueError
-    naming what is wrong: a malformed spec, a missing module, a missing attribute, or a value that is
-    not callable.
+    Returns the callable as is, sync or async. Raises ValueError naming what is wrong (a malformed
+    spec, a missing module, a missing attribute, or a value that is not callable), with `what` it
+    was meant to be.
     """
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
-        raise ValueError(f"reward function spec {spec!r} must look like 'module:function'")
+        raise ValueError(f"{what} spec {spec!r} must look like 'module:function'")
     obj: Any = _import_module(module_name)
     walked = module_name
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            raise ValueError(f"reward function {spec!r}: {walked!r} has no attribute {attr!r}")
+            raise ValueError(f"{what} {spec!r}: {walked!r} has no attribute {attr!r}")
         obj = getattr(obj, attr)
         walked = f"{walked}:{attr}" if walked == module_name else f"{walked}.{attr}"
     if not callable(obj):
-        raise ValueError(f"reward function {spec!r} is a {type(obj).__name__}, which is not callable")
+        raise ValueError(f"{what} {spec!r} is a {type(obj).__name__}, which is not callable")
     return obj
+
+
+def load_reward_fn(spec: str) -> Callable[..., Any]:
+    return load_callable(spec, "reward function")
 
 
 def is_async_reward(fn: Callable[..., Any]) -> bool:
@@ -146,9 +150,15 @@ def load_task(cfg: DataConfig, *, seed: int = 0) -> Task:
     cannot be loaded is a ConfigError naming the key."""
     from . import addition
 
+    reward: Callable[..., Any] = addition.reward
     if cfg.task == "addition":
         train = addition.addition_prompts("train", seed=seed)
         held = addition.addition_prompts("held_out", seed=seed)
+    elif cfg.task == "multiply":
+        from . import multiply
+
+        train, held = multiply.multiply_prompts("train", seed=seed), multiply.multiply_prompts("held_out", seed=seed)
+        reward = multiply.reward
     else:
         assert cfg.path is not None  # validate() guarantees exactly one of task / path
         try:
@@ -157,7 +167,6 @@ def load_task(cfg: DataConfig, *, seed: int = 0) -> Task:
             raise ConfigError("data.path", str(e)) from None
         n_eval = min(cfg.eval_size, len(records) // 5)
         train, held = records[n_eval:], records[:n_eval]
-    reward: Callable[..., Any] = addition.reward
     if cfg.reward:
         try:
             reward = load_reward_fn(cfg.reward)

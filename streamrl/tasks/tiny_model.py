@@ -28,15 +28,30 @@ from tokenizers.models import BPE
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS: tuple[str, ...] = (*"0123456789", "+", "-", "*", "=", ",", ":", ">", ";", " ")
 TOKENS: tuple[str, ...] = SPECIAL_TOKENS + CHARS
+# An agent model (`agent=True`, `model.init: tiny_agent`) has more, after these: chat roles (the chat
+# template below) and tool-call tags (`tools.*`' defaults), one token each, and lowercase letters
+# (tool names, chat text). The ids of every token before them, and the weights of their rows, are
+# the plain model's. (Kept out of the plain model: the quickstart learns less well with 34 more
+# tokens to sample from.)
+CHAT_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+TOOL_TOKENS: tuple[str, ...] = ("<tool>", "</tool>", "<result>", "</result>")
+ADDED_TOKENS: tuple[str, ...] = CHAT_TOKENS + TOOL_TOKENS
+LETTERS: tuple[str, ...] = tuple("abcdefghijklmnopqrstuvwxyz")
+AGENT_TOKENS: tuple[str, ...] = TOKENS + ADDED_TOKENS + LETTERS
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-TOKEN_TO_ID: dict[str, int] = {tok: i for i, tok in enumerate(TOKENS)}
+TOKEN_TO_ID: dict[str, int] = {tok: i for i, tok in enumerate(AGENT_TOKENS)}
+# A minimal chat template (jinja, as transformers renders it): <|role|>content<|end|> per message.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 
 # Same regex as transformers' Qwen2Tokenizer, so tokenizer.json matches what that class rebuilds.
 _QWEN_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-_SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS + ADDED_TOKENS) + ")")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # ~1.05 M parameters: the model measured to learn 2-digit addition under RL on a 2-core CPU.
@@ -86,16 +101,18 @@ def char_tokenizer_ids(text: str) -> list[int]:
     """
     ids: list[int] = []
     for part in _SPECIAL_RE.split(text):
-        if part in TOKEN_TO_ID and part in SPECIAL_TOKENS:
+        if part in TOKEN_TO_ID and (part in SPECIAL_TOKENS or part in ADDED_TOKENS):
             ids.append(TOKEN_TO_ID[part])
         else:
             ids.extend(TOKEN_TO_ID.get(ch, UNK_ID) for ch in part)
     return ids
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(agent: bool = False) -> Tokenizer:
     """The character-level tokenizer as a `tokenizers.Tokenizer` (byte-level BPE, zero merges)."""
-    vocab = {tok if tok in SPECIAL_TOKENS else _byte_level(tok): i for i, tok in enumerate(TOKENS)}
+    tokens = AGENT_TOKENS if agent else TOKENS
+    vocab = {tok if tok in SPECIAL_TOKENS or tok in ADDED_TOKENS else _byte_level(tok): i
+             for i, tok in enumerate(tokens)}
     tok = Tokenizer(
         BPE(vocab=vocab, merges=[], unk_token="<unk>", continuing_subword_prefix="", end_of_word_suffix="")
     )
@@ -107,12 +124,13 @@ def build_tokenizer() -> Tokenizer:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKENS + (ADDED_TOKENS if agent else ())])
     return tok
 
 
-def _write_tokenizer(out: Path) -> None:
-    tok = build_tokenizer()
+def _write_tokenizer(out: Path, agent: bool = False) -> None:
+    tok = build_tokenizer(agent)
     tok.save(str(out / "tokenizer.json"))
     # vocab.json + merges.txt let loaders that rebuild from files (Qwen2Tokenizer's slow path) agree too.
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -128,6 +146,8 @@ def _write_tokenizer(out: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "add_prefix_space": False,
     }
+    if agent:
+        config |= {"chat_template": CHAT_TEMPLATE, "extra_special_tokens": list(ADDED_TOKENS)}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
@@ -161,31 +181,46 @@ def build_tiny_model(
     preset: str = "tiny",
     seed: int = 0,
     arch: str = "qwen2",
+    agent: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a randomly initialised HF model folder for ``preset`` to ``out_dir`` and return its path.
 
-    Same (preset, arch, overrides, seed) gives bit-identical weights. Pass ``dtype="bfloat16"`` to
-    store the weights in another dtype (default float32); other overrides are config fields.
+    Same (preset, arch, agent, overrides, seed) gives bit-identical weights. ``agent``: the chat and
+    tool tokens, letters and a chat template too (the plain model's weights, with rows for them).
+    Pass ``dtype="bfloat16"`` to store the weights in another dtype (default float32); other
+    overrides are config fields.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     dtype_name = str(overrides.pop("dtype", "float32"))
     dtype = getattr(torch, dtype_name.removeprefix("torch."))
-    config = model_config(preset, arch=arch, **overrides)
+    config = model_config(preset, arch=arch, **overrides)  # the plain vocabulary unless overridden
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if agent:  # rows for the added tokens from their own generator: the plain model's weights stay
+            _add_token_rows(model, len(AGENT_TOKENS) - len(TOKENS), seed, config.initializer_range)
     model = model.to(dtype)
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, max_new_tokens=16
     )
     model.save_pretrained(out)
-    _write_tokenizer(out)
+    _write_tokenizer(out, agent)
     return out
+
+
+def _add_token_rows(model: Any, n: int, seed: int, std: float) -> None:
+    """`n` more embedding rows (the head is tied), drawn like the others but from their own stream."""
+    old = model.get_input_embeddings().weight.data
+    gen = torch.Generator().manual_seed(seed + 1)
+    rows = torch.randn(n, old.shape[1], generator=gen) * std
+    model.resize_token_embeddings(old.shape[0] + n, mean_resizing=False)
+    model.get_input_embeddings().weight.data[-n:] = rows
+    model.config.vocab_size = old.shape[0] + n
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -274,33 +274,42 @@ def _hash_model_dir(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def warm_start_key(model_dir: str | Path, **recipe: Any) -> str:
-    """The cache key of a warm start: recipe (defaults filled in) + base model hash + RECIPE_VERSION."""
-    params = _WARM_START_SIGNATURE.bind("model", "out", **recipe)
+def _recipe(task: str) -> Callable[..., dict[str, Any]]:
+    """The warm start of a built-in task: addition's here, multiplication's in `multiply.py`."""
+    if task == "multiply":
+        from .multiply import warm_start as multiply_warm_start
+
+        return multiply_warm_start
+    return warm_start
+
+
+def warm_start_key(model_dir: str | Path, task: str = "addition", **recipe: Any) -> str:
+    """The cache key of a warm start: recipe (defaults filled in) + base model hash + RECIPE_VERSION
+    (+ the task, for another task than addition, whose keys stay what they were)."""
+    fn = _recipe(task)
+    params = (_WARM_START_SIGNATURE if fn is warm_start else inspect.signature(fn)).bind("model", "out", **recipe)
     params.apply_defaults()
     full = {k: v for k, v in params.arguments.items() if k not in ("model_dir", "out_dir", "progress")}
-    payload = json.dumps(
-        {"recipe": full, "base": _hash_model_dir(Path(model_dir)), "version": RECIPE_VERSION},
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+    body: dict[str, Any] = {"recipe": full, "base": _hash_model_dir(Path(model_dir)), "version": RECIPE_VERSION}
+    if task != "addition":
+        body["task"] = task
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def cached_warm_start(model_dir: str | Path, cache_root: str | Path, **recipe: Any) -> Path:
+def cached_warm_start(model_dir: str | Path, cache_root: str | Path, task: str = "addition", **recipe: Any) -> Path:
     """`warm_start` into ``cache_root/warm-<key>``, or reuse that folder if a finished run left it there.
 
     A run trains into a temporary sibling, writes ``MARKER`` last and then renames the folder into
     place, so a killed run is never reused and two concurrent runs cannot interleave files.
     """
     root = Path(cache_root)
-    final = root / f"warm-{warm_start_key(model_dir, **recipe)}"
+    final = root / f"warm-{warm_start_key(model_dir, task, **recipe)}"
     if (final / MARKER).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
     try:
-        warm_start(model_dir, tmp, **recipe)
+        _recipe(task)(model_dir, tmp, **recipe)
         (tmp / MARKER).write_text("ok\n")
         if final.exists() and not (final / MARKER).is_file():
             shutil.rmtree(final)  # a folder without the marker is an interrupted run: not trusted
@@ -319,22 +328,25 @@ def load_warm_start_metrics(folder: str | Path) -> dict[str, Any]:
     return json.loads((Path(folder) / METRICS_FILE).read_text())
 
 
-def prepare_model(model: ModelConfig, warm: WarmStartConfig, *, seed: int, log: Any = print) -> tuple[str, dict[str, Any]]:
+def prepare_model(model: ModelConfig, warm: WarmStartConfig, *, seed: int, task: str | None = None,
+                  log: Any = print) -> tuple[str, dict[str, Any]]:
     """The policy's starting folder: the tiny model built if `model.init` asks and it is missing, then
-    the (cached) warm start if enabled. Returns (folder, warm-start metrics)."""
+    the (cached) warm start of `task` (`multiply`; else addition's) if enabled. Returns (folder,
+    warm-start metrics)."""
     path = Path(model.path)
     if not (path / "config.json").is_file():
-        if model.init != "tiny":
+        if model.init == "none":
             raise ConfigError("model.path", f"folder '{path}' has no config.json")
         from .tiny_model import build_tiny_model
 
         log(f"building tiny model at {path}")
-        build_tiny_model(path, preset="tiny", seed=model.init_seed)
+        build_tiny_model(path, preset="tiny", seed=model.init_seed, agent=model.init == "tiny_agent")
     if not warm.enabled:
         return str(path), {}
     recipe = dict(steps=warm.steps, batch_size=warm.batch_size, lr=warm.lr, label_noise=warm.label_noise, seed=seed)
-    target = Path(warm.cache_dir) / f"warm-{warm_start_key(path, **recipe)}"
+    which = "multiply" if task == "multiply" else "addition"
+    target = Path(warm.cache_dir) / f"warm-{warm_start_key(path, which, **recipe)}"
     cached = (target / MARKER).is_file()
     log("warm start: reusing cache " + str(target) if cached else f"warm start: {warm.steps} supervised steps")
-    out = cached_warm_start(path, warm.cache_dir, **recipe)
+    out = cached_warm_start(path, warm.cache_dir, which, **recipe)
     return str(out), {**load_warm_start_metrics(out), "cached": cached}
