@@ -71,6 +71,16 @@ class JsonHttpClient:
         """One call; returns the decoded JSON (or text / None for non-JSON bodies)."""
         data = msgspec.json.encode(payload) if payload is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else None
+        try:
+            return await self._request(method, path, data, headers)
+        except aiohttp.ClientOSError as e:
+            # A pooled connection the server closed while it sat idle fails before the request is
+            # written, so the server never saw it and one retry on a fresh connection is safe.
+            if not isinstance(e.__cause__, ConnectionResetError):
+                raise
+            return await self._request(method, path, data, headers)
+
+    async def _request(self, method: str, path: str, data: bytes | None, headers: dict[str, str] | None) -> Any:
         async with self._s().request(method, self.base_url + path, data=data, headers=headers) as r:
             raw = await r.read()
             body: Any = None
