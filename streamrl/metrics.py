@@ -55,7 +55,7 @@ class StepMetrics:
         return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
                 "tokens": c.tokens_generated, "discarded": c.tokens_discarded + cs.dropped_tokens,
                 "resumed": c.partial_resumed, "dropped": cs.dropped_stale, "tool_calls": c.tool_calls,
-                "tool_errors": c.tool_errors, "tool_s": c.tool_s}
+                "tool_errors": c.tool_errors, "tool_s": c.tool_s, "prefix_mismatch": c.prefix_mismatch}
 
     async def write(self, step: int, stats: dict[str, Any], **extra: Any) -> dict[str, Any]:
         """The step's row (trainer `stats` plus `extra` fields), appended and flushed."""
@@ -85,7 +85,7 @@ class StepMetrics:
             "buffer_size": len(self.buffer), **extra,
         }
         if self.manager.workflow is not None:  # multi-turn: the step's turns and the tools since the last row
-            row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s")}
+            row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s", "prefix_mismatch")}
         if self.controller.stats.decisions:
             row["controller"] = self.controller.drain_decisions()[-5:]
         self._last = {"t": now, **cur}

@@ -72,6 +72,8 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
                 producer.cancel()
         except* Exception as failed:
             raise failed.exceptions[0] from None
+        finally:
+            await manager.aclose()
         wall = time.perf_counter() - t0
     summary = {"run_dir": str(run_dir), "model_dir": model_dir, "out": str(out), "wall_s": wall,
                "failed_groups": manager.counters.failed, **summarize(done, wall)}

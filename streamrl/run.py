@@ -81,6 +81,7 @@ async def build(cfg: Config, stack: AsyncExitStack, task: Task, model_dir: str, 
     manager = RolloutManager(cfg.rollout, pool=pool, tokenizer=trainer.tokenizer, task=task, buffer=buffer,
                              controller=controller, seed=cfg.seed, tools=cfg.tools)
     manager.check_context(model_dir)
+    stack.push_async_callback(manager.aclose)
     await stack.enter_async_context(pool)
     if cfg.engines.urls or resume is not None:
         # Servers the user runs may hold other weights, and a resumed run's engines need the

@@ -242,6 +242,94 @@ async def test_a_checkpoint_mid_trajectory_replays_its_turns_without_calling_the
         assert set(s.versions[len(ids):]) == {1}
 
 
+# ---- the OpenAI-compatible capture endpoint -------------------------------------------------------
+async def test_an_openai_sdk_agent_records_the_same_tokens_as_a_native_workflow(agent_model_dir: Path) -> None:
+    """The same two-turn chat written against the `openai` SDK (through the episode's capture
+    endpoint) and against the episode itself, same seeds: token-identical trajectories, the same
+    masks and behaviour logprobs; the SDK's calls are the sample's turns."""
+    tok = AutoTokenizer.from_pretrained(agent_model_dir)
+    chat = [{"role": "user", "content": "12+34="}]
+    out, mismatches = {}, {}
+    for name in ("chat_via_openai", "chat_native"):
+        pool = LocalPool([TorchEngine(str(agent_model_dir), device="cpu", max_running_requests=8, weight_version="0")])
+        manager, buffer, _ = manager_for(pool, tok, workflow=f"{SPEC}:{name}", tools=["calculator"], group_size=8)
+        manager.task = Task(train=[{"prompt": chat, "answer": ""}], held_out=[], reward_fn=lambda t, a: 0.0)
+        manager.prompts = manager.task.train
+        await pool.start()
+        producer = asyncio.create_task(manager.run())
+        try:
+            [out[name]] = await asyncio.wait_for(buffer.get_batch(1), 60)
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+            await manager.aclose()
+            await pool.aclose()
+        assert manager.counters.failed == 0
+        mismatches[name] = manager.counters.prefix_mismatch
+    # the second call's history renders unlike the session exactly where a first answer ended with
+    # <eos> (the template closes answers with <|end|>); an answer cut at max_tokens is no mismatch
+    first_ends = [(s.turns[0].finish, tok.convert_ids_to_tokens(s.response_ids[s.turns[0].end - 1]))
+                  for s in out["chat_native"].samples]
+    assert mismatches == {"chat_via_openai": sum(end == "<eos>" for _, end in first_ends), "chat_native": 0}
+    assert {"length", "stop"} <= {finish for finish, _ in first_ends}  # both cases were exercised
+    for a, b in zip(out["chat_via_openai"].samples, out["chat_native"].samples, strict=True):
+        assert a.prompt_ids == b.prompt_ids == encode_prompt(tok, chat)
+        assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)  # batched differently: float rounding
+        assert [t.kind for t in a.turns] == ["model", "tool", "model"]
+        user = tok.decode(a.response_ids[a.turns[1].start:a.turns[1].end], skip_special_tokens=False)
+        assert user.endswith("<|user|>1+1=<|end|><|assistant|>")
+
+
+async def test_the_capture_endpoint_refuses_what_it_cannot_record(agent_model_dir: Path) -> None:
+    import aiohttp
+
+    tok = AutoTokenizer.from_pretrained(agent_model_dir)
+    pool = LocalPool([TorchEngine(str(agent_model_dir), device="cpu", max_running_requests=8)])
+    manager, _, _ = manager_for(pool, tok, workflow=f"{SPEC}:chat_native", tools=["calculator"])
+    s = Sample(group_id="g", prompt_ids=encode_prompt(tok, [{"role": "user", "content": "1+2="}]))
+    from streamrl.rollout.episode import Episode
+
+    ep = Episode(manager, s, {})
+    url = await ep.openai_url()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def post(path: str, body: Any, ctype: str = "application/json") -> tuple[int, str]:
+                data = body if isinstance(body, str) else __import__("json").dumps(body)
+                async with http.post(url + path, data=data, headers={"Content-Type": ctype}) as r:
+                    return r.status, (await r.json())["error"]["message"]
+
+            assert (await post("/chat/completions", "{}", "text/plain"))[0] == 415
+            assert (await post("/chat/completions", {"messages": "x"}))[0] == 400
+            code, msg = await post("/chat/completions", {"messages": [{"role": "user", "content": "9="}]})
+            assert code == 400 and "must begin with the session's prompt" in msg
+            code, msg = await post("/chat/completions", {"messages": [], "stream": True})
+            assert code == 400 and "stream" in msg
+            async with http.post(url.replace(url.split("/")[-2], "nope") + "/chat/completions", json={}) as r:
+                assert r.status == 404
+            assert s.response_ids == []  # nothing refused was recorded
+            # ... and the session still serves: a good call is one model turn
+            user = [{"role": "user", "content": "1+2="}]
+            async with http.post(url + "/chat/completions", json={"messages": user, "max_tokens": 3}) as r:
+                assert r.status == 200, await r.text()
+                body = await r.json()
+            assert [t.kind for t in s.turns] == ["model"] and body["usage"]["completion_tokens"] == len(s.response_ids)
+            code, msg = await post("/chat/completions", {"messages": user + [{"role": "user", "content": "2="}]})
+            assert code == 400 and "earlier answers" in msg
+            # the completions route: the session's text sent back verbatim, extended
+            so_far = tok.decode(s.prompt_ids + s.response_ids, skip_special_tokens=False)
+            code, msg = await post("/completions", {"prompt": "9" + so_far})
+            assert code == 400 and "does not extend" in msg
+            async with http.post(url + "/completions", json={"prompt": so_far + "7", "max_tokens": 2}) as r:
+                assert r.status == 200, await r.text()
+            assert [t.kind for t in s.turns] == ["model", "tool", "model"]
+            assert tok.decode(s.response_ids[s.turns[1].start:s.turns[1].end]) == "7"
+            async with http.get(url + "/models") as r:
+                assert (await r.json())["data"][0]["id"] == "policy"
+    finally:
+        await manager.aclose()
+
+
 # ---- chat prompts ---------------------------------------------------------------------------------
 def test_a_chat_record_renders_as_apply_chat_template(agent_model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(agent_model_dir)

@@ -74,8 +74,14 @@ class Episode:
         self.sample = sample
         self.record = record
         self.cfg = manager.cfg
-        self._sampling = sampling or {}
+        self._sampling = dict(sampling or {})
+        # Each turn's seed follows from the episode's and the turn's place, not from when the turn
+        # was asked for: samples whose turns interleave differently still draw the same tokens.
+        self._seed = self._sampling.pop("sampling_seed", None)
+        if self._seed is None:
+            self._seed = manager.take_seed()
         self._cursor = 0  # recorded turns replayed so far
+        self.openai_urls: list[str] = []  # sessions of the OpenAI-compatible endpoint it opened
 
     # ---- what a workflow reads --------------------------------------------------------------------
     @property
@@ -124,7 +130,8 @@ class Episode:
             if budget <= 0:
                 turn.finish = "length"
                 return turn
-            params = self.manager.sampling_params(budget, stop=stop) | self._sampling | sampling
+            seed = (self._seed * 1_000_003 + len(s.turns) * 1009 + s.num_resumes) % (1 << 63)
+            params = self.manager.sampling_params(budget, stop=stop, seed=seed) | self._sampling | sampling
             rid = f"{s.group_id}-{s.index}-t{len(s.turns)}-{s.num_resumes}"
             res = await self.manager.pool.generate(s.prompt_ids + s.response_ids, params, rid)
             self.manager.counters.partial_resumed += self.manager.append_result(s, res) - 1
@@ -165,12 +172,24 @@ class Episode:
 
     def observe(self, text: str) -> None:
         """Environment text the model reads and is not trained on."""
-        if self._replayed("tool") is None:
-            self._append_masked(text, Turn(kind="tool", start=0, end=0))
+        self.observe_ids(self.manager.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _append_masked(self, text: str, turn: Turn) -> None:
+    def observe_ids(self, ids: list[int]) -> None:
+        """Environment tokens, as ids (a chat template's rendering of new messages)."""
+        if self._replayed("tool") is None:
+            self._append_masked(ids, Turn(kind="tool", start=0, end=0))
+
+    async def openai_url(self) -> str:
+        """The base URL of an OpenAI-compatible endpoint whose calls are this episode's turns
+        (rollout/capture.py): for agents written against the `openai` SDK."""
+        url = (await self.manager.capture()).open(self)
+        self.openai_urls.append(url)
+        return url
+
+    def _append_masked(self, text_or_ids: str | list[int], turn: Turn) -> None:
         s = self.sample
-        ids = self.manager.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = (self.manager.tokenizer(text_or_ids, add_special_tokens=False)["input_ids"]
+               if isinstance(text_or_ids, str) else list(text_or_ids))
         turn.start = s.num_tokens
         s.append(ids, [0.0] * len(ids), s.versions[-1] if s.versions else 0, trainable=False)
         turn.end = s.num_tokens

@@ -42,6 +42,7 @@ from .workflows import load_workflow
 
 if TYPE_CHECKING:
     from ..tasks import Task
+    from .capture import CaptureServer
 
 
 @dataclass
@@ -57,6 +58,7 @@ class RolloutCounters:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_s: float = 0.0  # seconds tools ran, summed over calls
+    prefix_mismatch: int = 0  # OpenAI-endpoint calls whose history rendered unlike the tokens generated
 
 
 class RolloutFailed(RuntimeError):
@@ -104,6 +106,23 @@ class RolloutManager:
         self.workflow = load_workflow(cfg.workflow)
         self.tools = ToolBox(tools or ToolsConfig()) if self.workflow is not None else None
         self.tool_gate = ToolGate()  # a checkpoint shuts it: no tool call half in a snapshot
+        self._capture: CaptureServer | None = None  # the OpenAI-compatible endpoint, once a workflow asks
+        self._capture_lock = asyncio.Lock()
+
+    async def capture(self) -> CaptureServer:
+        """The OpenAI-compatible endpoint whose sessions are episodes, started on first use."""
+        async with self._capture_lock:  # the group's episodes ask at once: one server for all
+            if self._capture is None:
+                from .capture import CaptureServer  # aiohttp: loaded only for workflows that ask
+
+                server = CaptureServer()
+                await server.start()
+                self._capture = server
+        return self._capture
+
+    async def aclose(self) -> None:
+        if self._capture is not None:
+            await self._capture.aclose()
 
     def _prompt_stream(self) -> Iterator[dict[str, Any]]:
         """Endless shuffled epochs over the prompts."""
@@ -238,19 +257,29 @@ class RolloutManager:
 
     async def _run_episode(self, s: Sample, record: dict[str, Any]) -> None:
         assert self.workflow is not None
-        await self.workflow(record, Episode(self, s, record))
+        ep = Episode(self, s, record)
+        try:
+            await self.workflow(record, ep)
+        finally:
+            for url in ep.openai_urls:  # its OpenAI-endpoint sessions end with it
+                assert self._capture is not None
+                self._capture.close_session(url)
         last = next((t for t in reversed(s.turns) if t.kind == "model"), None)
         s.finish_reason = last.finish if last is not None else "length"
         s.status = "completed" if s.finish_reason == "stop" else "truncated"
 
-    def sampling_params(self, max_new_tokens: int, stop: list[str] | None = None) -> dict[str, Any]:
-        """One request's sampling parameters, with the next sampling seed."""
+    def take_seed(self) -> int:
+        self._next_seed += 1
+        return self._next_seed - 1
+
+    def sampling_params(self, max_new_tokens: int, stop: list[str] | None = None,
+                        seed: int | None = None) -> dict[str, Any]:
+        """One request's sampling parameters, with `seed` or the next sampling seed."""
         cfg = self.cfg
         params = {"max_new_tokens": max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                  "top_k": cfg.top_k, "sampling_seed": self._next_seed}
+                  "top_k": cfg.top_k, "sampling_seed": self.take_seed() if seed is None else seed}
         if stop:
             params["stop"] = stop
-        self._next_seed += 1
         return params
 
     async def _generate(self, samples: list[Sample]) -> None:

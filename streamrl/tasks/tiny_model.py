@@ -205,9 +205,10 @@ def build_tiny_model(
         if agent:  # rows for the added tokens from their own generator: the plain model's weights stay
             _add_token_rows(model, len(AGENT_TOKENS) - len(TOKENS), seed, config.initializer_range)
     model = model.to(dtype)
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, max_new_tokens=16
-    )
+    # An agent model's chat turns end with <|end|>, the token its template writes after an answer.
+    eos = [EOS_ID, TOKEN_TO_ID["<|end|>"]] if agent else EOS_ID
+    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=eos, pad_token_id=PAD_ID,
+                                               max_new_tokens=16)
     model.save_pretrained(out)
     _write_tokenizer(out, agent)
     return out
