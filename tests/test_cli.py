@@ -70,6 +70,10 @@ def test_run_help_and_config_reference() -> None:
     for key in ("run_dir", "model.path", "engines.pool", "engines.num_replicas", "controller.max_staleness",
                 "schedule.steps", "trainer.clip_eps"):
         assert f"{key}:" in p.stdout
+    # docs/config.md's key list is this output, so a key added to the schema shows up there too
+    doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    listed = doc[doc.index("```text\n") + 8:doc.index("\n```", doc.index("```text\n"))]
+    assert listed == p.stdout.strip("\n"), "docs/config.md is out of date: paste `streamrl config` into it"
 
 
 def test_quickstart_config_is_valid() -> None:

@@ -7,7 +7,8 @@ the last observation (or the whole response when no tool was called).
 
 The warm start is a *sloppy teacher* again: only `1 - label_noise` of its examples call the tool; the
 others answer at once with the right product, which the model can only guess. So the warm-started
-model calls the tool about half the time and is right about as often; RL makes the call reliable.
+model calls the tool about as often (40 % in the quickstart) and is right about as often; RL makes the call
+reliable.
 This module owns the prompts, the split, the reward and that warm start; it knows nothing of engines.
 """
 
