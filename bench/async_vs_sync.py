@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", default="http", choices=["http", "local"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="engines and trainer (cuda: use --pool local; the engine's paged runner, bf16)")
     ap.add_argument("--tail", default="think", choices=sorted(TAILS))
     ap.add_argument("--max-running", type=int, default=128, help="engines.max_running_requests")
     ap.add_argument("--replicas", type=int, default=1,
@@ -258,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             "data": {"task": None, "path": str(data), "eval_size": 64, "reward": f"{Path(__file__).resolve()}:reward"},
             # Engines in their own processes (`streamrl serve`), as in production: no GIL shared with the
             # trainer. `--pool local` keeps them in-process for comparison.
-            "engines": {"max_running_requests": args.max_running, "pool": args.pool, "num_replicas": args.replicas},
+            "engines": {"max_running_requests": args.max_running, "pool": args.pool, "num_replicas": args.replicas,
+                        "device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32"},
             "rollout": {"group_size": 8, "max_new_tokens": max_new, "temperature": 1.0},
-            "trainer": {"lr": 3e-5, "loss": "decoupled_ppo"}, "schedule": {"steps": args.steps, "batch_groups": 8},
+            "trainer": {"lr": 3e-5, "loss": "decoupled_ppo", "device": args.device},
+            "schedule": {"steps": args.steps, "batch_groups": 8},
         }
         rounds = []
         for k in range(args.rounds):
@@ -274,17 +278,23 @@ def main(argv: list[str] | None = None) -> int:
 
     cols = ["mode", "wall_s", "samples_per_s", "speedup_vs_sync", "speedup_vs_best_sync", "engine_idle_frac",
             "tokens_discarded", "partial_resumed", "staleness_max", "final_reward"]
-    print_table(f"async vs sync, long-tail task, {rows[0]['samples']} samples per mode (2-core CPU)", cols,
+    where = "GPU" if args.device == "cuda" else "2-core CPU"
+    print_table(f"async vs sync, long-tail task, {rows[0]['samples']} samples per mode ({where})", cols,
                 ([r[c] for c in cols] for r in rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail,
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "2-core CPU", "replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail,
             "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps,
             "rounds": args.rounds, "torch": torch.__version__, "python": sys.version.split()[0],
             "date": time.strftime("%Y-%m-%d %H:%M")}
     out = {"meta": meta, "results": rows}
     if args.rounds > 1:
         out["rounds"] = rounds
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    # One file, a section per machine kind: a GPU run keeps the CPU figures and the other way round.
+    path = Path(args.out)
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    doc = {"cpu": doc} if "meta" in doc else doc  # a file from before the sections
+    doc["gpu" if args.device == "cuda" else "cpu"] = out
+    path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.out}")
     return 0
 

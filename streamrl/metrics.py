@@ -21,6 +21,9 @@ from .progress import RunProgress
 from .rollout import EnginePool, RolloutManager
 from .types import Group, encode_jsonl
 
+# engines.colocate: the engines' memory yielded around the step (streamrl/colocate.py).
+_COLOCATED = ("engine_release_s", "engine_restore_s", "engine_bytes_during_step")
+
 
 async def _read_pool(pool: EnginePool) -> tuple[float, dict[str, Any]]:
     await pool.refresh_stats()
@@ -83,6 +86,7 @@ class StepMetrics:
             "batch_parts": stats["batch_parts"], "clip_frac": stats.get("clip_frac", 0.0),
             "grad_norm": stats["grad_norm"], "skipped_samples": stats["skipped_samples"],
             "buffer_size": len(self.buffer), **extra,
+            **{k: stats[k] for k in _COLOCATED if k in stats},
         }
         if self.manager.workflow is not None:  # multi-turn: the step's turns and the tools since the last row
             row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s", "prefix_mismatch")}

@@ -20,13 +20,14 @@ from typing import Any
 
 from .buffer import RolloutBuffer, StalenessController, next_batch
 from .checkpoint import Resume, load_resume, save_checkpoint
+from .colocate import TrainerHandle, colocated
 from .config import Config, dump_config
 from .metrics import StepMetrics
 from .plot import plot_run
 from .procs import quiet_gc
 from .rollout import EnginePool, RolloutManager, build_pool, preflight
 from .tasks import Task, load_task, prepare_model
-from .trainer import TrainerProcess, TrainerThread, start_trainer
+from .trainer import start_trainer
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Run:
     """One run's components, each built from its own config section."""
 
     cfg: Config
-    trainer: TrainerProcess | TrainerThread
+    trainer: TrainerHandle
     pool: EnginePool
     controller: StalenessController
     buffer: RolloutBuffer
@@ -78,6 +79,7 @@ async def build(cfg: Config, stack: AsyncExitStack, task: Task, model_dir: str, 
                                      max_groups=sched.steps * sched.batch_groups)
     buffer = RolloutBuffer(cfg.buffer, on_drop=controller.dropped)
     pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed)
+    trainer = colocated(trainer, pool, cfg.engines)  # engines.colocate: one GPU, taken in turns
     manager = RolloutManager(cfg.rollout, pool=pool, tokenizer=trainer.tokenizer, task=task, buffer=buffer,
                              controller=controller, seed=cfg.seed, tools=cfg.tools)
     manager.check_context(model_dir)
@@ -102,15 +104,14 @@ async def train(r: Run, *, log: Any) -> dict[str, Any]:
     try:
         async with asyncio.TaskGroup() as tg:  # a failed producer or push stops the loop at once
             producer = tg.create_task(r.manager.run(), name="rollout-manager")
-            push: asyncio.Task[None] | None = None
+            push: asyncio.Task[None] = tg.create_task(asyncio.sleep(0))  # a step's weight push (none yet)
             for step in range(r.trainer.version + 1, sched.steps + 1):  # one version per step
                 stats = await train_step(r, push)
                 push = tg.create_task(publish(r, step, stats), name="publish")
                 if sched.save_every and step % sched.save_every == 0:
                     await push  # the checkpoint holds the rollout side as of this step
                     await save_checkpoint(r, step)
-            if push is not None:
-                await push
+            await push
             producer.cancel()
     except* Exception as failed:  # the first error, as the user should see it
         raise failed.exceptions[0] from None
@@ -121,15 +122,14 @@ async def train(r: Run, *, log: Any) -> dict[str, Any]:
             "requests_lost_with_a_replica": r.pool.stats().get("lost_requests", 0)}
 
 
-async def train_step(r: Run, push: asyncio.Task[None] | None) -> dict[str, Any]:
+async def train_step(r: Run, push: asyncio.Task[None]) -> dict[str, Any]:
     """One optimizer step: the batch's parts go to the trainer as the controller lets them be trained
     (it computes while the rest still generates); the step itself waits for the last step's push."""
     t0, groups, parts = time.perf_counter(), [], 0
     async for part in next_batch(r.buffer, r.controller, r.cfg.schedule.batch_groups):
         await r.trainer.accumulate(part)
         groups, parts = groups + part, parts + 1
-    if push is not None:
-        await push  # the optimizer must not write weights the push still reads
+    await push  # the optimizer must not write weights the push still reads
     stats = await r.trainer.finish_step()
     r.metrics.write_groups(groups)
     r.controller.trainer_stepped(r.trainer.version)  # the next batch is composed against it

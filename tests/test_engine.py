@@ -4,6 +4,7 @@ control contract (abort, pause/resume, weight updates, memory, bad requests)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from pathlib import Path
 
@@ -39,10 +40,14 @@ def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float 
 
 
 DEVICE = os.environ.get("STREAMRL_TEST_DEVICE", "cpu")  # `cuda` runs the same contract on a GPU
+# `paged` runs it through the GPU runner (on CUDA that is what `auto` picks; on CPU through Triton's
+# interpreter, TRITON_INTERPRET=1: slow, a check of the logic only).
+RUNNER = os.environ.get("STREAMRL_TEST_RUNNER", "auto")
 
 
 def engine(path: Path, **kw) -> TorchEngine:
     kw.setdefault("device", DEVICE)
+    kw.setdefault("runner", RUNNER)
     kw.setdefault("max_running_requests", 8)
     return TorchEngine(str(path), **kw)
 
@@ -211,11 +216,13 @@ async def test_weight_update_from_state_dict_and_disk(engine_model_dir: Path, ti
 def hf_greedy_on_stale_cache(old, new, prefix: list[int], n: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and logprobs of `new` continuing `prefix` on the KV cache `old` computed for all
     of it but its last token: what an engine paused in place holds when its weights change."""
+    # transformers 5.2x renamed the argument `past_key_values` to `cache`; an unknown name would be ignored.
+    name = "cache" if "cache" in inspect.signature(new.forward).parameters else "past_key_values"
     with torch.no_grad():
         cache = old(torch.tensor([prefix[:-1]]), use_cache=True).past_key_values
         tok, out, lps = prefix[-1], [], []
         for _ in range(n):
-            lp = torch.log_softmax(new(torch.tensor([[tok]]), cache=cache).logits[0, -1].float(), -1)
+            lp = torch.log_softmax(new(torch.tensor([[tok]]), **{name: cache}).logits[0, -1].float(), -1)
             tok = int(lp.argmax())
             out.append(tok)
             lps.append(lp[tok].item())
@@ -362,7 +369,7 @@ async def test_fallback_runner_for_other_architectures(tmp_path: Path) -> None:
     cfg = GPT2Config(vocab_size=32, n_positions=64, n_embd=32, n_layer=2, n_head=2, initializer_range=0.5)
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
     model = hf(tmp_path / "gpt2")
-    async with engine(tmp_path / "gpt2", load_tokenizer=False) as eng:
+    async with engine(tmp_path / "gpt2", load_tokenizer=False, runner="auto") as eng:  # no paged runner for GPT-2
         assert isinstance(eng.runner, FallbackRunner)
         rs = await asyncio.gather(*[eng.generate(p, {"max_new_tokens": 8, **GREEDY}) for p in PROMPTS[:3]])
     for p, r in zip(PROMPTS, rs, strict=False):

@@ -10,7 +10,7 @@ import pytest
 from helpers import run_quickstart_cli
 from transformers import AutoModelForCausalLM
 
-from streamrl.config import config_from_dict
+from streamrl.config import ConfigError, config_from_dict
 from streamrl.run import run
 from streamrl.types import Group
 
@@ -115,6 +115,32 @@ async def test_async_run_resumes_partials_across_versions(tmp_path: Path, tiny_m
             trained_at = step // 2  # 2 groups per batch; trainer version when this batch was trained
             assert trained_at - min(s.versions) <= 2
     assert any(len(set(s.versions)) > 1 for g in read_groups(run_dir) for s in g.samples)
+
+
+async def test_colocated_run_yields_engine_memory_around_every_step(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`engines.colocate`: while the trainer computes a step the engine holds no KV cache (its memory is
+    its weights alone), samples it was generating come back partial and resume with 0 tokens lost,
+    and every step still trains a whole batch within η."""
+    cfg = config_from_dict(small_cfg(
+        tmp_path, tiny_model_dir, controller={"max_staleness": 1},
+        rollout={"group_size": 4, "max_new_tokens": 30}, schedule={"steps": 6, "batch_groups": 2},
+        engines={"colocate": True, "max_running_requests": 4},
+    ))
+    summary = await run(cfg, show_progress=False, log=lambda *_: None)
+    rows = read_metrics(Path(cfg.run_dir))
+    assert [r["version"] for r in rows] == list(range(1, 7)) and summary["samples"] == 6 * 2 * 4
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    weights = sum(t.numel() * t.element_size() for t in [*ref.parameters(), *ref.buffers()])
+    for r in rows:
+        assert r["engine_bytes_during_step"] == weights  # the KV cache was freed while the trainer computed
+        assert r["engine_release_s"] >= 0 and r["engine_restore_s"] >= 0
+    assert sum(r["tokens_discarded"] for r in rows) == 0 and max(r["staleness_max"] for r in rows) <= 1
+    assert sum(r["partial_resumed"] for r in rows) > 0  # the releases interrupted samples, which went on
+
+
+async def test_colocate_needs_the_local_pool() -> None:
+    with pytest.raises(ConfigError, match="engines.colocate: colocated engines run in this process"):
+        config_from_dict({"engines": {"colocate": True, "pool": "http"}})
 
 
 async def test_async_run_over_http_resumes_group_batches(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -46,6 +46,10 @@ class ModelConfig(_Section):
     init: Annotated[Literal["none", "tiny", "tiny_agent"], _d(
         "tiny: build a tiny model at path if missing; tiny_agent: with chat and tool-call tokens"
     )] = "tiny"
+    preset: Annotated[Literal["tiny", "small", "bench100m", "qwen2-0.1b", "qwen2.5-0.5b"], _d(
+        "the shape init builds (random weights, the tiny vocabulary): tiny ~1 M parameters, small ~4 M, "
+        "bench100m ~85 M, qwen2-0.1b ~0.1 B and qwen2.5-0.5b Qwen2.5-0.5B's layers (GPU)"
+    )] = "tiny"
     init_seed: Annotated[int, _d("seed for building the tiny model", ge=0)] = 0
 
 
@@ -56,6 +60,8 @@ class WarmStartConfig(_Section):
     lr: Annotated[float, _d("warm-start learning rate", gt=0)] = 1e-3
     label_noise: Annotated[float, _d("fraction of warm-start labels made wrong", ge=0, le=1)] = 0.5
     cache_dir: Annotated[str, _d("cache of warm-started weights, keyed by settings")] = ".cache/streamrl"
+    device: Annotated[Device, _d("device of the warm start; auto = cuda if available")] = "auto"
+    warmup_steps: Annotated[int, _d("linear learning-rate warmup before the cosine decay (addition)", ge=0)] = 0
 
 
 class DataConfig(_Section):
@@ -104,6 +110,17 @@ class EnginesConfig(_Section):
     threads: Annotated[int, _d("torch CPU threads per embedded engine", ge=1)] = 1
     weight_sync: Annotated[Literal["disk", "distributed"], _d("pool=http: safetensors folder or gloo broadcast")] = (
         "disk"
+    )
+    kv_cache_fraction: Annotated[float, _d(
+        "CUDA, max_total_tokens null: the KV cache takes at most this fraction of the GPU memory free after "
+        "the weights are loaded", gt=0, le=1,
+    )] = 0.3
+    colocate: Annotated[bool, _d(
+        "engines and trainer share the GPU (pool=local): around each training step the engines free their KV "
+        "cache (and with colocate_offload_weights their weights) and take it back before the new weights load"
+    )] = False
+    colocate_offload_weights: Annotated[bool, _d("colocate: the engines' weights go to host memory during a step too")] = (
+        False
     )
 
 
@@ -177,6 +194,12 @@ class TrainerConfig(_Section):
         "where that clip never binds", ge=1,
     )] = 1
     device: Annotated[Device, _d("trainer device; auto = cuda if available")] = "auto"
+    dtype: Annotated[Literal["float32", "bfloat16"], _d(
+        "compute dtype: bfloat16 = autocast, with float32 master weights and optimizer state"
+    )] = "float32"
+    gradient_checkpointing: Annotated[bool, _d("recompute activations in the backward pass: less memory, ~30 % more compute")] = (
+        False
+    )
     threads: Annotated[int, _d("torch CPU threads of the trainer", ge=1)] = 1
     micro_batch_tokens: Annotated[int, _d("padded tokens per forward/backward; gradients accumulate", ge=1)] = 4096
     micro_batch_padding: Annotated[float, _d(

@@ -70,6 +70,10 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         if 0 < cfg.rollout.temperature < 0.01:
             raise ConfigError("rollout.temperature", "vLLM samples at >= 0.01 (it raises smaller values); "
                                                      f"use 0 (greedy) or >= 0.01, got {cfg.rollout.temperature}")
+    if e.colocate and e.pool != "local":
+        raise ConfigError("engines.colocate", f"colocated engines run in this process: needs engines.pool: local, got '{e.pool}'")
+    if e.colocate_offload_weights and not e.colocate:
+        raise ConfigError("engines.colocate_offload_weights", "only with engines.colocate: true")
     if e.engine == "sglang" and e.pool != "ray_serve":
         raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
     if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):

@@ -15,6 +15,7 @@ which recomputes the whole sequence every step: correct, slow, and said so in th
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 
 from ..batching import length_buckets
 from . import kernels
+
+log = logging.getLogger(__name__)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +98,9 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
 
+    def free_row(self, row: int) -> None:
+        """The request in `row` is done (its KV is simply overwritten by the next one)."""
+
     def move_row(self, src: int, dst: int, length: int | None = None) -> None:
         """Compaction: the request in row `src` (with `length` cached positions, default all) now
         lives in row `dst`."""
@@ -147,8 +153,9 @@ class ModelRunner:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h)).float()
 
-    def prefill(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
-        """Compute and store KV for whole sequences; return next-token logits [n, V].
+    def prefill(self, rows: list[int], seqs: list[list[int]], reserve: list[int] | None = None) -> torch.Tensor:
+        """Compute and store KV for whole sequences; return next-token logits [n, V]. (`reserve`: the
+        paged runner's; every row here holds max_len positions.)
 
         The samples of a GRPO group arrive together with one prompt: each distinct sequence is
         computed once and its KV copied to the rows that repeat it (SGLang gets the same from its
@@ -300,6 +307,9 @@ class FallbackRunner:
     def kv_bytes(self) -> int:
         return 0
 
+    def free_row(self, row: int) -> None:
+        self.rows[row] = []
+
     def move_row(self, src: int, dst: int, length: int | None = None) -> None:
         self.rows[dst] = self.rows[src]
 
@@ -314,7 +324,7 @@ class FallbackRunner:
         last = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
         return logits[torch.arange(n, device=self.device), last].float()
 
-    def prefill(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
+    def prefill(self, rows: list[int], seqs: list[list[int]], reserve: list[int] | None = None) -> torch.Tensor:
         for r, s in zip(rows, seqs, strict=True):
             self.rows[r] = list(s)
         return self._run(seqs)
@@ -323,3 +333,40 @@ class FallbackRunner:
         for r, t in enumerate(tokens):
             self.rows[r].append(t)
         return self._run(self.rows[: len(tokens)])
+
+
+def make_runner(model: Any, kind: str, rows: int, context_len: int, max_total_tokens: int | None, *,
+                cpu_kernel: bool, kv_cache_fraction: float) -> tuple[Any, int]:
+    """The runner `kind` names for `model` (`auto`: the paged runner on CUDA where it applies, else
+    per-slot rows; `paged`; `slots`) and the KV token budget the scheduler admits against."""
+    if kind not in ("auto", "paged", "slots"):
+        raise ValueError(f"runner must be auto, paged or slots, got {kind!r}")
+    device = model.model.embed_tokens.weight.device if hasattr(model, "model") else torch.device("cpu")
+    if kind == "paged" or (kind == "auto" and device.type == "cuda"):
+        from .gpu import PagedRunner, supports_paged  # Triton: loaded only for the paged runner
+
+        why = supports_paged(model)
+        if why is None:
+            total = max_total_tokens or _kv_budget(model, rows * context_len, kv_cache_fraction)
+            return PagedRunner(model, rows, context_len, max_total_tokens=total), total
+        if kind == "paged":
+            raise ValueError(f"the paged runner cannot run this model: {why}")
+        log.warning("streamrl: TorchEngine uses per-slot KV rows (%s)", why)
+    total = max_total_tokens or rows * context_len
+    if supports_fast_path(model):
+        return ModelRunner(model, rows, context_len, cpu_kernel=cpu_kernel), total
+    return FallbackRunner(model, rows, context_len), total
+
+
+def _kv_budget(model: Any, most: int, fraction: float) -> int:
+    """KV tokens: `most` (rows x context), or what `fraction` of the free GPU memory holds."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    per_token = cfg.num_hidden_layers * 2 * kv_heads * head_dim * model.model.embed_tokens.weight.element_size()
+    device = model.model.embed_tokens.weight.device
+    if device.type != "cuda":
+        return most
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(most, int(fraction * free / per_token)))

@@ -5,6 +5,11 @@ truncation (T = 1 for greedy requests), so that a trainer recomputing it from th
 same temperature gets the same number. Sampling uses the exponential-race trick
 (argmax p_i / E_i with E_i ~ Exp(1)), which draws exactly from p and lets each seeded request own its
 noise stream: a seeded request samples the same tokens whatever else shares its batch.
+
+On a GPU (the paged runner) the noise is counter-based instead: uniforms hashed from the request's
+seed, the token's place in its output and the vocabulary index (`counter_uniforms`), drawn inside the
+sampling kernel (engine/gpu/kernels.py) with no generator per request; `sample_counter` is the same
+draw in PyTorch, for rows with top-k / top-p / min-p.
 """
 
 from __future__ import annotations
@@ -88,3 +93,41 @@ def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     filtered = torch.zeros_like(probs)
     filtered.scatter_(1, order, sorted_p * keep)
     return filtered
+
+
+def counter_uniforms(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1), [B, V] float32, of (seeds[b], offsets[b]) for every vocabulary index: a
+    32-bit integer hash (Wellons' lowbias32) in int64 arithmetic masked to 32 bits, bit for bit the
+    noise of the GPU sampling kernel."""
+    mask = 0xFFFFFFFF
+
+    def mix(x: torch.Tensor) -> torch.Tensor:
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & mask
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & mask
+        return x ^ (x >> 16)
+
+    seeds = seeds.to(torch.int64)[:, None]
+    lo, hi = seeds & mask, (seeds >> 32) & mask
+    key = mix(lo ^ mix(hi ^ mix((offsets.to(torch.int64)[:, None] & mask) ^ 0x9E3779B9)))
+    key2 = mix(key ^ 0x85EBCA6B)
+    cols = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
+    bits = mix(mix(cols ^ key) ^ key2)
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def sample_counter(logits: torch.Tensor, batch: SamplingBatch, seeds: list[int], offsets: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_ids [B], logprobs [B]) by the Gumbel-max trick over counter-based noise: argmax of
+    log p + Gumbel(u), p after top-k / top-p / min-p; the logprob untruncated, as `sample`'s."""
+    logits = logits.float()
+    device = logits.device
+    greedy = torch.tensor([t < 1e-6 for t in batch.temperatures], device=device)
+    temps = torch.tensor([t if t >= 1e-6 else 1.0 for t in batch.temperatures], device=device)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    probs = _filter(logp.exp(), batch) if batch.needs_filter else logp.exp()
+    u = counter_uniforms(torch.tensor(seeds, device=device), torch.tensor(offsets, device=device), logits.shape[1])
+    sampled = (probs.log() - (-u.log()).log()).argmax(dim=-1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

@@ -31,6 +31,7 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     sink: Any = None  # engine-owned delivery object (future / queue)
     generator: Any = None  # per-request torch.Generator when sampling_seed is set
+    seed: int = 0  # the paged runner's counter-based noise: sampling_seed, or one drawn for the request
 
     @property
     def reserved_tokens(self) -> int:
@@ -53,10 +54,12 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, max_running: int, max_total_tokens: int, max_prefill_tokens: int) -> None:
+    def __init__(self, max_running: int, max_total_tokens: int, max_prefill_tokens: int, page_size: int = 1) -> None:
+        """`page_size`: the KV cache's unit of allocation; a request reserves whole pages."""
         self.max_running = max_running
         self.max_total_tokens = max_total_tokens
         self.max_prefill_tokens = max_prefill_tokens
+        self.page_size = page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # index == KV row
         self.paused = False
@@ -98,13 +101,18 @@ class Scheduler:
             out.append(r)
         return out
 
+    def reservation(self, tokens: int) -> int:
+        """KV slots a request of `tokens` (prompt + max_new_tokens) holds: whole pages."""
+        return -(-tokens // self.page_size) * self.page_size
+
     def _admit(self) -> list[Request]:
-        reserved = sum(r.reserved_tokens for r in self.running)
+        reserved = sum(self.reservation(r.reserved_tokens) for r in self.running)
         admitted: list[Request] = []
         longest = 0
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
-            if reserved + r.reserved_tokens > self.max_total_tokens and self.running:
+            need = self.reservation(r.reserved_tokens)
+            if reserved + need > self.max_total_tokens and self.running:
                 break
             longest = max(longest, len(r.seq))
             # Prefill pads to the longest prompt: budget the padded size, always admitting one.
@@ -113,7 +121,7 @@ class Scheduler:
             self.waiting.popleft()
             r.row = len(self.running)
             self.running.append(r)
-            reserved += r.reserved_tokens
+            reserved += need
             admitted.append(r)
         return admitted
 

@@ -1,10 +1,10 @@
 """TorchEngine: the embedded generation engine (any local Hugging Face causal LM, CPU or CUDA).
 
 Data path of one request: `generate()` validates it and queues a `Request` → the engine loop asks the
-`Scheduler` for a plan (prefill new requests, or decode every running one) → the `ModelRunner` computes
-logits in a worker thread (so the asyncio loop keeps serving HTTP and control calls) → `sample()` picks
-tokens → the loop appends them, checks stop conditions and delivers chunks / the final SGLang-shaped
-result. Control operations (abort, pause, weight updates, memory release) take the step lock, so they
+`Scheduler` for a plan (prefill new requests, or decode every running one) → `step.execute` runs it on
+the runner (`ModelRunner`'s per-slot KV on CPU, `gpu.PagedRunner`'s paged KV and CUDA graphs on a GPU)
+and samples, in a worker thread (so the asyncio loop keeps serving HTTP and control calls) → the loop
+appends the tokens, checks stop conditions and delivers chunks / the final SGLang-shaped result. Control operations (abort, pause, weight updates, memory release) take the step lock, so they
 apply atomically *between* steps.
 
 The engine knows nothing about Ray, HTTP, rewards or training.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 from ..devices import resolve_device
-from .model_runner import FallbackRunner, ModelRunner, supports_fast_path
+from .loading import eos_ids, load_state, weight_bytes
+from .model_runner import ModelRunner, make_runner
 from .protocol import (
     PAUSED_STATES,
     EngineError,
@@ -35,8 +37,8 @@ from .protocol import (
     extend_version_spans,
     finish_reason,
 )
-from .sampling import SamplingBatch, sample
 from .scheduler import Plan, Request, Scheduler
+from .step import execute
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,31 +62,38 @@ class TorchEngine:
         num_threads: int | None = None,
         inline: bool | None = None,
         cpu_kernel: bool = True,
+        runner: str = "auto",
+        kv_cache_fraction: float = 0.3,
     ) -> None:
+        """`runner`: `auto` (the paged GPU runner on CUDA for Llama-family models, the per-slot runner
+        elsewhere), `paged`, `slots`. `kv_cache_fraction`: without `max_total_tokens`, the paged runner's
+        KV pool takes at most this fraction of the GPU memory free after loading the weights."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
         self.device = resolve_device(device)
         self.dtype = _DTYPES[dtype]
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path) if load_tokenizer else None
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 2048))
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_ids(self.model)
         rows = max_running_requests
-        self.runner: ModelRunner | FallbackRunner = (
-            ModelRunner(self.model, rows, self.context_len, cpu_kernel=cpu_kernel)
-            if supports_fast_path(self.model) else FallbackRunner(self.model, rows, self.context_len)
-        )
+        self.runner, total = make_runner(self.model, runner, rows, self.context_len, max_total_tokens,
+                                         cpu_kernel=cpu_kernel, kv_cache_fraction=kv_cache_fraction)
+        self.paged = bool(getattr(self.runner, "paged", False))
+        self._stream = torch.cuda.Stream(self.device) if self.paged and self.device != "cpu" else None
         self.scheduler = Scheduler(
             max_running=rows,
-            max_total_tokens=max_total_tokens or rows * self.context_len,
+            max_total_tokens=total,
             max_prefill_tokens=max(max_prefill_tokens, self.context_len),
+            page_size=getattr(self.runner, "page_size", 1),
         )
         self._version = weight_version
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._seeds = random.Random(seed)  # the paged runner's unseeded requests: a seed each
         # torch's intra-op thread count is per calling thread: set it in the worker that computes, so an
         # engine and a trainer in one process can split the cores instead of oversubscribing them.
         # `inline` runs steps on the event-loop thread instead: no thread hop and no second OpenMP team
@@ -141,16 +150,6 @@ class TorchEngine:
         return self._version
 
     # ---- requests --------------------------------------------------------------------------------
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for src in (getattr(self.model, "generation_config", None), self.model.config):
-            eos = getattr(src, "eos_token_id", None) if src is not None else None
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(eos)
-        return frozenset(ids)
-
     def _make_request(self, input_ids: Any, params: SamplingParams | dict | None, rid: str | None) -> Request:
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
         sp.validate(self.vocab_size)
@@ -175,10 +174,16 @@ class TorchEngine:
         stop = set(sp.stop_token_ids or [])
         if not sp.ignore_eos:
             stop |= self.eos_ids
-        gen = None
-        if sp.sampling_seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(sp.sampling_seed)
-        return Request(rid=rid, input_ids=list(input_ids), params=sp, stop_ids=frozenset(stop), generator=gen)
+        if self.scheduler.reservation(n + sp.max_new_tokens) > self.scheduler.max_total_tokens:
+            raise EngineError(f"prompt ({n}) + max_new_tokens ({sp.max_new_tokens}) exceeds the engine's KV budget "
+                              f"of {self.scheduler.max_total_tokens} tokens")
+        gen, seed = None, sp.sampling_seed
+        if self.paged:  # counter-based noise on the GPU: a seed, not a generator
+            seed = self._seeds.getrandbits(63) if seed is None else seed
+        elif seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        return Request(rid=rid, input_ids=list(input_ids), params=sp, stop_ids=frozenset(stop), generator=gen,
+                       seed=seed or 0)
 
     def _submit(self, req: Request, sink: Any) -> None:
         self._ensure_loop()
@@ -266,21 +271,7 @@ class TorchEngine:
 
     def _execute(self, plan: Plan) -> tuple[list[int], list[float]]:
         """Runs in the worker thread: tensors only, no engine state changes."""
-        with torch.inference_mode():
-            reqs = plan.requests
-            if plan.kind == "prefill":
-                logits = self.runner.prefill([r.row for r in reqs], [r.seq for r in reqs])  # type: ignore[misc]
-            else:
-                logits = self.runner.decode([r.output_ids[-1] for r in reqs], [r.ctx_len for r in reqs])
-            batch = SamplingBatch(
-                temperatures=[r.params.temperature for r in reqs],
-                top_ps=[r.params.top_p for r in reqs],
-                top_ks=[r.params.top_k for r in reqs],
-                min_ps=[r.params.min_p for r in reqs],
-                generators=[r.generator for r in reqs],
-            )
-            tokens, logps = sample(logits, batch, self._gen)
-            return tokens.tolist(), logps.tolist()
+        return execute(self.runner, plan, self._gen, self._stream)
 
     def _postprocess(self, plan: Plan, tokens: list[int], logps: list[float]) -> None:
         now = time.monotonic()
@@ -322,6 +313,8 @@ class TorchEngine:
         if r.finished:
             return
         r.finished = True
+        if r.row is not None:
+            self.runner.free_row(r.row)
         moved = self.scheduler.remove(r)
         if moved is not None:
             src, dst = moved
@@ -434,34 +427,26 @@ class TorchEngine:
         return str(int(version) + 1) if version.isdigit() else "1"
 
     def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        # state_dict (not named_parameters) so tied weights are addressable under both names.
-        params = self.model.state_dict(keep_vars=True)
-        unknown = [k for k in tensors if k not in params]
-        if unknown:
-            raise EngineError(f"update_weights: unknown parameter(s) {unknown[:3]}")
-        bad = [k for k, v in tensors.items() if tuple(v.shape) != tuple(params[k].shape)]
-        if bad:
-            raise EngineError(
-                f"update_weights: shape mismatch for {bad[0]}: {tuple(tensors[bad[0]].shape)} vs "
-                f"{tuple(params[bad[0]].shape)}"
-            )
-        # Validate everything first so that a bad update changes nothing.
-        with torch.no_grad():
-            for k, v in tensors.items():
-                params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
+        if self.state is EngineState.RELEASED:
+            raise EngineError("update_weights: the engine's memory is released; resume_memory first")
+        load_state(self.model, tensors)
 
-    async def release_memory(self) -> None:
-        """Free the KV cache and move weights off the accelerator (colocated training)."""
+    async def release_memory(self, weights: bool = True) -> None:
+        """Free the KV cache and, with `weights`, move the weights to host memory (colocated training:
+        SGLang's release_memory_occupation with tags kv_cache / weights)."""
         async with self._step_lock:
             self._check_open()
             if self.state is EngineState.RELEASED:
                 return
-            if self.scheduler.num_running or self.scheduler.num_waiting:
-                raise EngineError("release_memory: requests are in flight; pause(mode='abort') first")
-            self.runner.free()
-            if self.device != "cpu":
-                self.model.to("cpu")
-                torch.cuda.empty_cache()
+            if self.scheduler.num_running:  # queued ones hold no KV: they wait for resume_memory and resume
+                raise EngineError("release_memory: requests are running; pause(mode='abort') first")
+            if self.paged:
+                self.runner.release(weights)  # type: ignore[union-attr]
+            else:
+                self.runner.free()
+                if weights and self.device != "cpu":
+                    self.model.to("cpu")
+                    torch.cuda.empty_cache()
             self._after_release = self.state
             self._set_state(EngineState.RELEASED)
 
@@ -469,10 +454,17 @@ class TorchEngine:
         async with self._step_lock:
             self._check_open()
             if self.state is EngineState.RELEASED:
-                self.model.to(self.device)
-                self.runner.allocate()
+                if self.paged:
+                    await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.restore)  # type: ignore[union-attr]
+                else:
+                    self.model.to(self.device)
+                    self.runner.allocate()
                 self._set_state(self._after_release)
         self._wakeup.set()
+
+    def memory_bytes(self) -> int:
+        """What the engine holds on its device: the KV cache and the weights."""
+        return self.runner.kv_bytes() + weight_bytes(self.model, self.device)
 
     async def flush_cache(self) -> bool:
         """No prefix cache is kept across requests, so there is nothing to drop; SGLang refuses while
@@ -495,6 +487,8 @@ class TorchEngine:
             "weight_version": self._version,
             "tokens_per_s": tps,
             "kv_cache_bytes": self.runner.kv_bytes(),
-            "fast_path": isinstance(self.runner, ModelRunner),
+            "kv_tokens": self.scheduler.max_total_tokens,
+            "fast_path": isinstance(self.runner, ModelRunner) or self.paged,
+            "runner": type(self.runner).__name__,
             **self._stats,
         }

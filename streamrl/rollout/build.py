@@ -39,7 +39,8 @@ def build_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: int =
 
         return build_http_pool(cfg, model_dir, run_dir=run_dir, seed=seed)
     engine_kwargs = dict(device=cfg.device, dtype=cfg.dtype, max_running_requests=cfg.max_running_requests,
-                         max_total_tokens=cfg.max_total_tokens, weight_version="0")
+                         max_total_tokens=cfg.max_total_tokens, kv_cache_fraction=cfg.kv_cache_fraction,
+                         weight_version="0")
     if cfg.pool == "ray_serve":
         from .ray_serve_pool import RayServePool
 

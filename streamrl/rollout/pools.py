@@ -159,6 +159,17 @@ class LocalPool(EnginePool):
     async def _resume_all(self) -> None:
         await asyncio.gather(*[e.resume() for e in self.engines])
 
+    async def release_memory(self, weights: bool = True) -> None:
+        """Every engine frees its KV cache (and with `weights` its weights); requests wait meanwhile."""
+        await asyncio.gather(*[e.release_memory(weights) for e in self.engines])
+
+    async def resume_memory(self) -> None:
+        await asyncio.gather(*[e.resume_memory() for e in self.engines])
+
+    def memory_bytes(self) -> int:
+        """Device memory the engines hold now (KV cache and weights)."""
+        return sum(e.memory_bytes() for e in self.engines)
+
     def stats(self) -> dict[str, Any]:
         per = [e.stats() for e in self.engines]
         return {

@@ -81,6 +81,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=12,
         max_position_embeddings=512,
     ),
+    # ~0.1 B, Qwen2-shaped (grouped KV heads: 12 query, 2 KV, of 64): configs/gpu.yaml's policy.
+    "qwen2-0.1b": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    # Qwen2.5-0.5B's layers (24 of them, 14 query / 2 KV heads of 64, SwiGLU 4864, 32k positions); with
+    # `vocab_size=151936` its vocabulary too: the GPU engine benchmark's model (random weights).
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
 }
 
 

@@ -340,11 +340,18 @@ def prepare_model(model: ModelConfig, warm: WarmStartConfig, *, seed: int, task:
         from .tiny_model import build_tiny_model
 
         log(f"building tiny model at {path}")
-        build_tiny_model(path, preset="tiny", seed=model.init_seed, agent=model.init == "tiny_agent")
+        build_tiny_model(path, preset=model.preset, seed=model.init_seed, agent=model.init == "tiny_agent")
     if not warm.enabled:
         return str(path), {}
-    recipe = dict(steps=warm.steps, batch_size=warm.batch_size, lr=warm.lr, label_noise=warm.label_noise, seed=seed)
+    from ..devices import resolve_device
+
+    recipe = dict(steps=warm.steps, batch_size=warm.batch_size, lr=warm.lr, label_noise=warm.label_noise, seed=seed,
+                  device=resolve_device(warm.device))
     which = "multiply" if task == "multiply" else "addition"
+    if warm.warmup_steps:
+        if which != "addition":
+            raise ConfigError("warm_start.warmup_steps", "the multiply warm start has its own schedule; leave it 0")
+        recipe["warmup_steps"] = warm.warmup_steps
     target = Path(warm.cache_dir) / f"warm-{warm_start_key(path, which, **recipe)}"
     cached = (target / MARKER).is_file()
     log("warm start: reusing cache " + str(target) if cached else f"warm start: {warm.steps} supervised steps")

@@ -70,6 +70,11 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # bfloat16: the forward (and so the backward) under autocast; weights, gradients and AdamW's
+        # moments stay float32.
+        self._autocast = cfg.dtype == "bfloat16"
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # fused: one kernel for every parameter instead of a loop of small ops per tensor.
@@ -140,11 +145,15 @@ class Trainer:
         # Several steps per batch: pi_prox is these weights before the first of them, kept per sample.
         with torch.no_grad():
             for sel, batch in self._packed(samples, trained):
-                logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
+                logp = self._logprobs(self.model, batch)
                 self._count_mismatch(acc, logp, batch)
                 for row, i in enumerate(sel):
                     start = len(samples[i].prompt_ids)
                     acc.prox[base + i] = logp[row, start : start + samples[i].num_tokens].clone()
+
+    def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self._autocast):
+            return token_logprobs(model, batch.input_ids, batch.attention_mask, self.temperature)
 
     def _packed(self, samples: list[Sample], idx: list[int]) -> Iterator[tuple[list[int], Batch]]:
         """`samples[idx]` in length-bucketed micro-batches: (their indices, the packed batch)."""
@@ -157,14 +166,14 @@ class Trainer:
         step, so this forward's own detached logprobs *are* pi_prox (no second forward)."""
         cfg = self.cfg
         mask = batch.response_mask  # [b, T]
-        logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
+        logp = self._logprobs(self.model, batch)
         if prox is None:
             prox = logp.detach()
             self._count_mismatch(acc, prox, batch)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = token_logprobs(self.ref_model, batch.input_ids, batch.attention_mask, self.temperature)
+                ref = self._logprobs(self.ref_model, batch)
         loss, stats = policy_loss(
             logp, batch.behav_logp, adv.to(self.device), mask, cfg,
             prox_logp=None if cfg.loss == "grpo" else prox, ref_logp=ref,

@@ -118,8 +118,9 @@ async def update_weight_version(request: web.Request) -> web.Response:
 
 
 async def release_memory(request: web.Request) -> web.Response:
-    convert(await read_json(request), MemoryReq)
-    await state_of(request).engine.release_memory()
+    req = convert(await read_json(request), MemoryReq)
+    # SGLang's tags: kv_cache, weights (none given: both). The KV cache is always freed.
+    await state_of(request).engine.release_memory(weights=req.tags is None or "weights" in req.tags)
     return json_response(None)
 
 
