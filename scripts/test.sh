@@ -4,5 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_vllm.sh   # the real vLLM server, for tests/test_vllm*.py
+# Triton, for the GPU runner's kernel tests, which run under its interpreter without a GPU: beside
+# .venv, not in it (torch imports Triton wherever it can, and Triton's bindings then print leak
+# warnings at the exit of every process, the CLI's included).
+[ -d .venv-triton/triton ] || .venv/bin/pip install --quiet --no-deps --target .venv-triton "triton>=3.2,<4"
 .venv/bin/ruff check streamrl tests bench
 exec .venv/bin/python -m pytest -q "$@"
