@@ -1,9 +1,14 @@
-"""How every benchmark prints its table: rich, at full width even into a log file or a pipe."""
+"""How every benchmark prints its table (rich, at full width even into a log file or a pipe) and writes
+its JSON."""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -18,3 +23,14 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[obje
     # Off a terminal rich assumes 80 columns and cuts every header to "wall…", which is useless in
     # the log of a benchmark run in the background.
     Console(width=None if sys.stdout.isatty() else 220).print(t)
+
+
+def write_results(out: str | Path, meta: dict[str, Any], rows: list[dict[str, Any]], **extra: Any) -> None:
+    """`{"meta": meta + python/torch/date, "results": rows, **extra}` into `out`, and say so."""
+    import torch
+
+    meta = {**meta, "torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M")}
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "results": rows, **extra}, indent=2))
+    print(f"wrote {path}")

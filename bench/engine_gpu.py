@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from _table import print_table
+from _table import print_table, write_results
 
 from streamrl.engine import TorchEngine
 from streamrl.tasks import build_tiny_model
@@ -58,16 +57,18 @@ async def engine_rate(model_dir: Path, batch: int, prompt: int, new: int, runner
     async with eng:
         warm = prompts[: min(2, batch)]
         await eng.generate_many(warm, [params | {"max_new_tokens": 8}] * len(warm), [None] * len(warm))
+        s0 = eng.stats()
         t1 = time.perf_counter()
         out = await eng.generate_many(prompts, [params] * batch, [None] * batch)
         wall = time.perf_counter() - t1
         stats = eng.stats()
+        steps = stats["num_steps"] - s0["num_steps"]  # of the timed run only (prefill steps included)
         replay_ms = graph_replay_ms(eng.runner, batch)
     assert all(len(r["output_ids"]) == new for r in out)
     row = {"tokens_per_s": round(batch * new / wall, 1), "wall_s": round(wall, 3), "start_s": round(start_s, 2),
            "kv_tokens": stats["kv_tokens"], "kv_gib": round(stats["kv_cache_bytes"] / 2**30, 3),
            "gpu_gib": round((torch.cuda.max_memory_allocated() - before) / 2**30, 3), "runner": stats["runner"],
-           "step_ms": round(1000 * stats["busy_s"] / max(stats["num_steps"], 1), 3), "graph_replay_ms": replay_ms}
+           "step_ms": round(1000 * (stats["busy_s"] - s0["busy_s"]) / max(steps, 1), 3), "graph_replay_ms": replay_ms}
     del eng
     torch.cuda.empty_cache()
     return row
@@ -145,12 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"TorchEngine ({args.runner}) vs generate, Qwen2.5-0.5B shape, bf16, {args.prompt}-token prompts, "
                 f"{args.new} new tokens (generate: {args.generate_new})", cols,
                 ([r.get(c) for c in cols] for r in rows))
-    meta = {"device": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": round(bw / 1e12, 2), "prompt": args.prompt,
-            "new": args.new, "generate_new": args.generate_new, "runner": args.runner, "torch": torch.__version__,
-            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, {"device": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": round(bw / 1e12, 2),
+                             "prompt": args.prompt, "new": args.new, "generate_new": args.generate_new,
+                             "runner": args.runner}, rows)
     return 0
 
 

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from _table import print_table
+from _table import print_table, write_results
 
 from streamrl.config import TrainerConfig
 from streamrl.engine import TorchEngine
@@ -112,11 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["method", "seconds", "restore_s", "engine_gib_serving", "engine_gib_released", "released_frac"]
     print_table("weight updates and engine memory, Qwen2.5-0.5B shape (494 M parameters), one GPU", cols,
                 ([r.get(c) for c in cols] for r in rows))
-    meta = {"device": torch.cuda.get_device_name(), "kv_tokens": args.kv_tokens, "repeats": args.repeats,
-            "torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, {"device": torch.cuda.get_device_name(), "kv_tokens": args.kv_tokens,
+                             "repeats": args.repeats}, rows)
     return 0
 
 

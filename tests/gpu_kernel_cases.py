@@ -251,6 +251,10 @@ async def test_torch_engine_through_the_paged_runner(gqa_model_dir: Path) -> Non
         alone = await eng.generate(prompts[0], seeded)
         together, _ = await asyncio.gather(eng.generate(prompts[0], seeded), eng.generate(prompts[2], seeded))
         assert alone["output_ids"] == together["output_ids"]
+        # A seed beyond int64 (SGLang takes any integer) is folded, not an error for its batch-mates.
+        big, _ = await asyncio.gather(eng.generate(prompts[0], {**seeded, "sampling_seed": 2**64 - 1}),
+                                      eng.generate(prompts[2], seeded))
+        assert len(big["output_ids"]) == 8 and big["meta_info"]["finish_reason"]["type"] == "length"
         top1 = await eng.generate(prompts[1], {"max_new_tokens": 6, "ignore_eos": True, "top_k": 1})
         assert top1["output_ids"] == outs[1]["output_ids"][:6]
         await eng.release_memory()

@@ -138,9 +138,12 @@ async def test_colocated_run_yields_engine_memory_around_every_step(tmp_path: Pa
     assert sum(r["partial_resumed"] for r in rows) > 0  # the releases interrupted samples, which went on
 
 
-async def test_colocate_needs_the_local_pool() -> None:
+async def test_colocate_needs_the_local_pool_and_a_push_every_step() -> None:
     with pytest.raises(ConfigError, match="engines.colocate: colocated engines run in this process"):
         config_from_dict({"engines": {"colocate": True, "pool": "http"}})
+    with pytest.raises(ConfigError, match="schedule.push_every: colocated engines take the weights after every step"):
+        config_from_dict({"engines": {"colocate": True}, "controller": {"max_staleness": 2},
+                          "schedule": {"push_every": 2}})
 
 
 async def test_async_run_over_http_resumes_group_batches(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -188,10 +188,17 @@ async def _until_tokens(c: VLLMClient, rid_prefix: str, n: int = 4) -> list[asyn
 @needs_vllm
 async def test_abort_by_request_id_returns_the_partial_tokens(server: str) -> None:
     async with VLLMClient(server) as c:
-        [task] = await _until_tokens(c, "abort-me", 1)
-        await c.abort("abort-me-0")
-        r = await asyncio.wait_for(task, 30)
-        meta = r["meta_info"]
+        # As in the pause test below: on a busy 2-core machine vLLM's engine core can starve its API
+        # server until the request has run out its budget (seen once in a full-suite run). A round
+        # where it finished whole before the abort took hold is tried again, up to 3 times; an abort
+        # that lands and does not end the request with its partial tokens still fails.
+        for attempt in range(3):
+            [task] = await _until_tokens(c, f"abort-me{attempt}", 1)
+            await c.abort(f"abort-me{attempt}-0")
+            r = await asyncio.wait_for(task, 30)
+            meta = r["meta_info"]
+            if not (meta["finish_reason"]["type"] == "length" and len(r["output_ids"]) == 1500):
+                break
         assert meta["finish_reason"]["type"] == "abort"
         assert 0 < len(r["output_ids"]) < 1500
         assert len(meta["output_token_logprobs"]) == len(r["output_ids"])

@@ -72,6 +72,10 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
                                                      f"use 0 (greedy) or >= 0.01, got {cfg.rollout.temperature}")
     if e.colocate and e.pool != "local":
         raise ConfigError("engines.colocate", f"colocated engines run in this process: needs engines.pool: local, got '{e.pool}'")
+    if e.colocate and cfg.schedule.push_every != 1:
+        # The engines are paused through every step anyway, and the push after it is what resumes them.
+        raise ConfigError("schedule.push_every", f"colocated engines take the weights after every step: needs 1, "
+                                                 f"got {cfg.schedule.push_every}")
     if e.colocate_offload_weights and not e.colocate:
         raise ConfigError("engines.colocate_offload_weights", "only with engines.colocate: true")
     if e.engine == "sglang" and e.pool != "ray_serve":

@@ -51,10 +51,11 @@ def supports_fast_path(model: Any) -> bool:
     )
 
 
-class ModelRunner:
-    """Per-slot KV cache runner for Llama-family models."""
+class LlamaShape:
+    """What a runner of a Llama-family decoder reads off the model: its layers, attention shape,
+    device and dtype (ModelRunner here, gpu/runner.py's PagedRunner)."""
 
-    def __init__(self, model: Any, num_rows: int, max_len: int, *, cpu_kernel: bool = True) -> None:
+    def __init__(self, model: Any) -> None:
         self.model = model
         cfg = model.config
         self.layers = list(model.model.layers)
@@ -63,6 +64,22 @@ class ModelRunner:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.scale = float(getattr(attn0, "scaling", self.head_dim**-0.5))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+
+class ModelRunner(LlamaShape):
+    """Per-slot KV cache runner for Llama-family models."""
+
+    def __init__(self, model: Any, num_rows: int, max_len: int, *, cpu_kernel: bool = True) -> None:
+        super().__init__(model)
+        attn0 = self.layers[0].self_attn
         mod = sys.modules.get(type(attn0).__module__)
         self._rope = getattr(mod, "apply_rotary_pos_emb", None) or _default_rope
         self.num_rows = num_rows
@@ -76,14 +93,6 @@ class ModelRunner:
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.allocate()
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
 
     def allocate(self) -> None:
         shape = (self.num_rows, self.num_kv_heads, self.max_len, self.head_dim)
@@ -347,8 +356,9 @@ def make_runner(model: Any, kind: str, rows: int, context_len: int, max_total_to
 
         why = supports_paged(model)
         if why is None:
-            total = max_total_tokens or _kv_budget(model, rows * context_len, kv_cache_fraction)
-            return PagedRunner(model, rows, context_len, max_total_tokens=total), total
+            runner = PagedRunner(model, rows, context_len,
+                                 max_total_tokens=max_total_tokens or _kv_budget(model, rows * context_len, kv_cache_fraction))
+            return runner, runner.num_pages * runner.page_size  # the pool's slots: whole pages
         if kind == "paged":
             raise ValueError(f"the paged runner cannot run this model: {why}")
         log.warning("streamrl: TorchEngine uses per-slot KV rows (%s)", why)

@@ -178,8 +178,8 @@ class TorchEngine:
             raise EngineError(f"prompt ({n}) + max_new_tokens ({sp.max_new_tokens}) exceeds the engine's KV budget "
                               f"of {self.scheduler.max_total_tokens} tokens")
         gen, seed = None, sp.sampling_seed
-        if self.paged:  # counter-based noise on the GPU: a seed, not a generator
-            seed = self._seeds.getrandbits(63) if seed is None else seed
+        if self.paged:  # counter-based noise on the GPU: a seed (as int64, what the kernel reads), not a generator
+            seed = self._seeds.getrandbits(63) if seed is None else (seed + 2**63) % 2**64 - 2**63
         elif seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
         return Request(rid=rid, input_ids=list(input_ids), params=sp, stop_ids=frozenset(stop), generator=gen,

@@ -164,7 +164,8 @@ class LocalPool(EnginePool):
         await asyncio.gather(*[e.release_memory(weights) for e in self.engines])
 
     async def resume_memory(self) -> None:
-        await asyncio.gather(*[e.resume_memory() for e in self.engines])
+        for e in self.engines:  # one by one: on a GPU each recaptures its CUDA graphs
+            await e.resume_memory()
 
     def memory_bytes(self) -> int:
         """Device memory the engines hold now (KV cache and weights)."""

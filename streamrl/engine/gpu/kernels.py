@@ -33,7 +33,7 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm(X, R, W, OUT, stride_x, stride_r, stride_o, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in a long prefill
     cols = tl.arange(0, BLOCK)
     m = cols < n
     x = tl.load(X + row * stride_x + cols, mask=m, other=0.0)
@@ -65,7 +65,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 @triton.jit
 def _silu_mul(GU, OUT, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
     g = tl.load(GU + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
@@ -89,7 +89,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_store(QKV, COS, SIN, POS, SLOT, KC, VC, stride_qkv, stride_cs, stride_slot, heads, kv_heads,
                 D: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t)
     d = tl.arange(0, HALF)[None, :]
     c1 = tl.load(COS + pos * stride_cs + d)
@@ -143,7 +143,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 def _decode_partial(Q, KC, VC, BT, SEQ, MID_O, MID_L, stride_q, stride_slot, stride_bt, scale, heads,
                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(SEQ + b)
@@ -184,7 +184,7 @@ def _decode_partial(Q, KC, VC, BT, SEQ, MID_O, MID_L, stride_q, stride_slot, str
 
 @triton.jit
 def _decode_merge(MID_O, MID_L, OUT, stride_o, heads, D: tl.constexpr, SPLITS: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
@@ -242,7 +242,7 @@ def _mix(x):
 
 @triton.jit
 def _sample(LOGITS, TEMP, SEED, OFFSET, TOK, LOGP, stride, vocab, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     t = tl.load(TEMP + b)
     greedy = t < 1e-6
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ...batching import length_buckets
+from ..model_runner import LlamaShape
 from . import kernels as K
 
 PAGE = 16
@@ -52,6 +53,10 @@ def supports_paged(model: Any) -> str | None:
         return "not a SwiGLU MLP"
     if getattr(cfg, "hidden_act", "silu") != "silu" or mlp.gate_proj.bias is not None:
         return f"MLP activation {getattr(cfg, 'hidden_act', '?')} / MLP bias"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        # Their frequencies depend on the sequence's length: one table for every position would not do.
+        return f"rope_type {rope.get('rope_type', rope.get('type'))}"
     head_dim = int(getattr(attn, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
     if head_dim & (head_dim - 1) or head_dim < 16:
         return f"head_dim {head_dim} is not a power of two >= 16"
@@ -64,20 +69,14 @@ def _eps(norm: Any) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
-class PagedRunner:
+class PagedRunner(LlamaShape):
     page_size = PAGE
     paged = True  # the engine samples through it (counter-based noise) and reserves KV in pages
 
     def __init__(self, model: Any, num_rows: int, max_len: int, *, max_total_tokens: int,
                  cuda_graphs: bool | None = None) -> None:
-        self.model = model
-        cfg, inner = model.config, model.model
-        self.layers = list(inner.layers)
-        attn0 = self.layers[0].self_attn
-        self.head_dim = int(getattr(attn0, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.scale = float(getattr(attn0, "scaling", self.head_dim**-0.5))
+        super().__init__(model)
+        inner = model.model
         self.num_rows, self.max_len = num_rows, max_len
         self.num_pages = -(-max_total_tokens // PAGE)
         self.vocab = int(model.lm_head.weight.shape[0])
@@ -114,14 +113,6 @@ class PagedRunner:
         self.allocate()
 
     # ---- weights -------------------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
-
     def _fuse_weights(self) -> None:
         """q/k/v (and gate/up) as views of one weight each: one GEMM instead of three (two), and a
         weight update into the module's parameters lands in the fused tensor."""
