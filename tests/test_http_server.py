@@ -64,6 +64,8 @@ async def srv(engine_model_dir: Path):
 
 
 async def raw(url: str, method: str, path: str, body: bytes | str | None = None, headers=None):
+    if body is not None and headers is None:
+        headers = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession() as s, s.request(method, url + path, data=body, headers=headers) as r:
         return r.status, await r.read()
 

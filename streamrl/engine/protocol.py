@@ -9,6 +9,7 @@ and result types; it knows nothing about torch, HTTP or Ray.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -42,6 +43,10 @@ class EngineError(Exception):
     """A request the engine cannot serve; HTTP front-ends map it to 400."""
 
 
+_I64 = (-(2**63), 2**63 - 1)
+MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # stop strings are matched on every new token
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """SGLang's sampling parameters (same names, defaults and ranges)."""
 
@@ -69,7 +74,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.temperature < 1e-6
 
     def validate(self, vocab_size: int) -> None:
-        """Raise EngineError naming the first out-of-range field."""
+        """Raise EngineError naming the first out-of-range field. Ranges are the engine's own limits
+        (int64 for integers, finite floats, the vocabulary), so no value can fail later inside a
+        batched step, where it would take its batch-mates down with it."""
+        ints = {"max_new_tokens": self.max_new_tokens, "top_k": self.top_k, "min_new_tokens": self.min_new_tokens,
+                "n": self.n}
+        for name, v in ints.items():
+            if not _I64[0] <= v <= _I64[1]:
+                raise EngineError(f"{name} must fit in a signed 64-bit integer, got {v}")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise EngineError(f"{name} must be a finite number, got {getattr(self, name)}")
         checks: list[tuple[bool, str]] = [
             (self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -81,10 +96,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (self.repetition_penalty == 1, "repetition_penalty is not supported by TorchEngine"),
             (self.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {self.min_new_tokens}"),
             (self.n == 1, "n > 1 is expanded by the HTTP layer, not the engine"),
+            (self.sampling_seed is None or -(2**63) <= self.sampling_seed < 2**64,
+             f"sampling_seed must be a 64-bit integer, got {self.sampling_seed}"),
+            (len(self.stop_token_ids or []) <= MAX_STOPS, f"at most {MAX_STOPS} stop_token_ids"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise EngineError(msg)
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stops):
+            raise EngineError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
                 raise EngineError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")

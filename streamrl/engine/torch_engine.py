@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 import uuid
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import torch
 
 from ..devices import resolve_device
@@ -39,6 +41,8 @@ from .protocol import (
 )
 from .scheduler import Plan, Request, Scheduler
 from .step import execute
+
+log = logging.getLogger("streamrl.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -153,6 +157,8 @@ class TorchEngine:
     def _make_request(self, input_ids: Any, params: SamplingParams | dict | None, rid: str | None) -> Request:
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
         sp.validate(self.vocab_size)
+        if sp.top_k >= self.vocab_size:  # the whole vocabulary (and no int overflow in the sampler)
+            sp = msgspec.structs.replace(sp, top_k=-1)
         if not isinstance(input_ids, list) or not input_ids:
             raise EngineError("input_ids must be a non-empty list of token ids")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
@@ -181,7 +187,7 @@ class TorchEngine:
         if self.paged:  # counter-based noise on the GPU: a seed (as int64, what the kernel reads), not a generator
             seed = self._seeds.getrandbits(63) if seed is None else (seed + 2**63) % 2**64 - 2**63
         elif seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
+            gen = torch.Generator(device=self.device).manual_seed(seed % 2**64)
         return Request(rid=rid, input_ids=list(input_ids), params=sp, stop_ids=frozenset(stop), generator=gen,
                        seed=seed or 0)
 
@@ -256,9 +262,9 @@ class TorchEngine:
                     else:
                         tokens, logps = await loop.run_in_executor(self._executor, self._execute, plan)
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
-                    for r in plan.requests:
-                        self._finish(r, finish_reason("abort", message=f"engine error: {e}"), error=e)
-                    continue
+                    plan, tokens, logps = await self._isolate(plan, e)
+                    if not plan.requests:
+                        continue
                 dt = time.perf_counter() - t0
                 self._stats["busy_s"] += dt
                 if plan.kind == "prefill":
@@ -268,6 +274,30 @@ class TorchEngine:
                 self._postprocess(plan, tokens, logps)
             if self._inline:
                 await asyncio.sleep(0)  # one step at a time: let HTTP, control calls and the trainer in
+
+    async def _isolate(self, plan: Plan, error: Exception) -> tuple[Plan, list[int], list[float]]:
+        """After a failed step: each of its requests alone, as a prefill of its whole sequence (which
+        rewrites any KV the failed step left half-written and gives the same next token a decode
+        would). Only the requests that fail alone are aborted; the rest keep going."""
+        ok: list[Request] = []
+        tokens: list[int] = []
+        logps: list[float] = []
+        for r in plan.requests:
+            alone = Plan("prefill", [r])
+            try:
+                if self._inline:
+                    t, lp = self._execute(alone)
+                else:
+                    t, lp = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, alone)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                self._finish(r, finish_reason("abort", message=f"engine error: {e}"), error=e)
+                continue
+            ok.append(r)
+            tokens += t
+            logps += lp
+        if len(ok) == len(plan.requests) and len(ok) > 1:
+            log.warning("a step of %d requests failed (%s); each alone succeeded", len(ok), error)
+        return Plan(plan.kind, ok), tokens, logps
 
     def _execute(self, plan: Plan) -> tuple[list[int], list[float]]:
         """Runs in the worker thread: tensors only, no engine state changes."""

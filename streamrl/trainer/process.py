@@ -161,8 +161,7 @@ class TrainerProcess(_Handle):
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError):
-            self._proc.join(timeout=5)
-            raise TrainerFailed(f"the trainer process died (exit status {self._proc.exitcode})") from None
+            raise self._died() from None
         if status == "error":
             raise TrainerFailed(f"trainer process: {value}")
         return value
@@ -171,9 +170,22 @@ class TrainerProcess(_Handle):
         try:
             self._conn.send((cmd, _groups.encode(arg) if cmd == "accumulate" else arg))
         except (BrokenPipeError, ConnectionResetError, OSError):
-            self._proc.join(timeout=5)
-            raise TrainerFailed(f"the trainer process died (exit status {self._proc.exitcode})") from None
+            raise self._died() from None
         return self._reply()
+
+    def _died(self) -> TrainerFailed:
+        """The one line for a trainer process that went away: how it ended, by signal or status."""
+        self._proc.join(timeout=5)
+        code, pid = self._proc.exitcode, self._proc.pid
+        if code is None:
+            self._proc.kill()  # its pipe is gone but it runs on: nothing can use it any more
+            self._proc.join(timeout=5)
+            how = "closed its pipe and was stopped"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with status {code}"
+        return TrainerFailed(f"the trainer process (pid {pid}) {how}")
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The child's parameters, shared: current after each `finish_step` returns."""

@@ -76,20 +76,21 @@ def generate_items(st: ServerState, req: GenerateReq) -> tuple[list[GenItem], bo
     starts = req.logprob_start_len if isinstance(req.logprob_start_len, list) else [req.logprob_start_len]
     if any(s != -1 for s in starts):
         raise BadRequest("input (prompt) logprobs are not supported: leave logprob_start_len at -1")
+    texts: list[str] | None = None
     if req.text is not None:
         if isinstance(req.text, str):
-            prompts, single = [st.tokenize(req.text)], True
+            texts, single = [req.text], True
         elif isinstance(req.text, list) and req.text and all(isinstance(t, str) for t in req.text):
-            prompts, single = [st.tokenize(t) for t in req.text], False
+            texts, single = req.text, False
         else:
             raise BadRequest("text must be a string or a non-empty list of strings")
+        b = len(texts)
     elif _is_ids(req.input_ids):
-        prompts, single = [req.input_ids], True
+        prompts, single, b = [req.input_ids], True, 1
     elif isinstance(req.input_ids, list) and req.input_ids and all(_is_ids(x) for x in req.input_ids):
-        prompts, single = req.input_ids, False
+        prompts, single, b = req.input_ids, False, len(req.input_ids)
     else:
         raise BadRequest("input_ids must be a list of token ids or a non-empty list of such lists")
-    b = len(prompts)
     sps = req.sampling_params
     if sps is None or isinstance(sps, dict):
         sps = [sps or {}] * b
@@ -99,6 +100,9 @@ def generate_items(st: ServerState, req: GenerateReq) -> tuple[list[GenItem], bo
     n = sps[0].get("n", 1)
     if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1) or any(s.get("n", 1) != n for s in sps):
         raise BadRequest("sampling_params.n must be an integer >= 1, the same for the whole batch")
+    st.check_items(b * n)  # before any prompt is tokenized or expanded
+    if texts is not None:
+        prompts = [st.tokenize(t) for t in texts]
     if req.rid is None:
         rids: list[str | None] = [None] * b
     elif isinstance(req.rid, str):
@@ -147,7 +151,7 @@ def partial_result(st: ServerState, it: GenItem) -> dict[str, Any]:
 async def generate(request: web.Request) -> web.StreamResponse:
     st = state_of(request)
     req = parse_generate(await read_json(request))
-    items, single = generate_items(st, req)
+    items, single = await st.off_loop(generate_items, st, req)
     streams = Streams(st, items, stream=bool(req.stream))
     await streams.start()
     try:

@@ -93,6 +93,7 @@ def _sampling(req: _Common, max_tokens: int) -> dict[str, Any]:
 def _items(st: ServerState, req: _Common, prompts: list[list[int]], logprob: bool) -> list[GenItem]:
     if not isinstance(req.n, int) or req.n < 1:
         raise BadRequest(f"n must be >= 1, got {req.n}")
+    st.check_items(len(prompts) * req.n)
     if req.logit_bias:
         raise BadRequest("logit_bias is not supported by streamrl serve")
     ctx = int(getattr(st.engine, "context_len", 1 << 30))
@@ -173,6 +174,7 @@ def _prompts(st: ServerState, prompt: Any) -> list[list[int]]:
     if ids(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        st.check_items(len(prompt))
         return [st.tokenize(p) for p in prompt]
     if isinstance(prompt, list) and prompt and all(ids(p) for p in prompt):
         return prompt
@@ -196,7 +198,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo or req.suffix is not None or (req.best_of not in (None, req.n)):
         raise BadRequest("echo, suffix and best_of are not supported by streamrl serve")
     want = req.logprobs is not None
-    items = _items(st, req, _prompts(st, req.prompt), want)
+    items = _items(st, req, await st.off_loop(_prompts, st, req.prompt), want)
 
     def choice(i: int, it: GenItem, r: dict[str, Any]) -> dict[str, Any]:
         fr, matched = _finish(r)
@@ -256,7 +258,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest("response_format other than text is not supported by streamrl serve")
     if req.max_completion_tokens is not None:
         req.max_tokens = req.max_completion_tokens
-    items = _items(st, req, [_chat_prompt(st, req.messages)], req.logprobs)
+    items = _items(st, req, [await st.off_loop(_chat_prompt, st, req.messages)], req.logprobs)
     top = req.top_logprobs or 0
 
     def choice(i: int, it: GenItem, r: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import logging
 import signal
 import sys
@@ -30,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from ..protocol import EngineError
-from .common import STATE, BadRequest, ServerState, error_response, json_response
+from .common import STATE, BadRequest, Limits, ServerState, error_response, is_json, json_response
 from .control import (
     abort_request,
     continue_generation,
@@ -61,8 +63,18 @@ log = logging.getLogger("streamrl.http")
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     key = request.app[STATE].api_key
-    if key and not request.path.startswith("/health") and request.headers.get("Authorization") != f"Bearer {key}":
-        return json_response({"error": "Unauthorized"}, 401)
+    if key and not request.path.startswith("/health"):
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {key}".encode()):  # constant time: no key by timing
+            return json_response({"error": "Unauthorized"}, 401)
+    if request.method not in ("GET", "HEAD", "OPTIONS"):
+        if "Origin" in request.headers:  # only browsers send it: a page the user opened must not drive the engine
+            return error_response("requests from web pages (with an Origin header) are refused", 403)
+        # A body with a Content-Type must say JSON: a web page cannot send that cross-origin without a
+        # preflight (never granted here), while forms and text/plain can. No Content-Type is read as
+        # JSON, as Python clients send it.
+        if request.body_exists and "Content-Type" in request.headers and not is_json(request.content_type):
+            return error_response(f"send JSON (Content-Type: application/json), not {request.content_type!r}", 415)
     return await handler(request)
 
 
@@ -74,7 +86,9 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if e.status < 400:
             raise
         return json_response({"detail": e.reason}, e.status)
-    except (BadRequest, EngineError, ValueError) as e:
+    except BadRequest as e:
+        return error_response(str(e), e.status)
+    except (EngineError, ValueError) as e:
         return error_response(str(e))
     except ConnectionResetError:
         raise
@@ -83,15 +97,22 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return error_response(f"{type(e).__name__}: {e}")
 
 
-def build_app(engine: Any, *, api_key: str | None = None, model_name: str | None = None) -> web.Application:
+def build_app(engine: Any, *, api_key: str | None = None, model_name: str | None = None,
+              limits: Limits | None = None) -> web.Application:
     """An aiohttp app serving `engine` with SGLang's API. Run it with `handler_cancellation=True`
     (as `serve` does) so that a client disconnecting from a non-streaming request aborts it too."""
     from .openai_api import add_openai_routes
 
     path = str(getattr(engine, "model_path", "") or "")
-    app = web.Application(middlewares=[_auth, _errors], client_max_size=256 * 1024**2)
-    app[STATE] = ServerState(engine=engine, api_key=api_key, model_name=model_name or path, model_path=path,
-                             settings={"tokenizer_path": path})
+    limits = limits or Limits()
+    app = web.Application(middlewares=[_auth, _errors], client_max_size=limits.max_body_bytes)
+    app[STATE] = st = ServerState(engine=engine, api_key=api_key, model_name=model_name or path, model_path=path,
+                                  settings={"tokenizer_path": path}, limits=limits)
+
+    async def stop_prep(_: web.Application) -> None:
+        st.prep.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_prep)
     r = app.router
     for p in ("/generate",):
         r.add_post(p, generate)
@@ -104,10 +125,10 @@ def build_app(engine: Any, *, api_key: str | None = None, model_name: str | None
     r.add_post("/init_weights_update_group", init_weights_update_group)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
-    for p, h in (("/release_memory_occupation", release_memory), ("/resume_memory_occupation", resume_memory),
-                 ("/flush_cache", flush_cache)):
-        r.add_get(p, h, allow_head=False)
-        r.add_post(p, h)
+    r.add_post("/release_memory_occupation", release_memory)  # POST only: no <img src> frees the KV cache
+    r.add_post("/resume_memory_occupation", resume_memory)
+    r.add_get("/flush_cache", flush_cache, allow_head=False)  # refused while requests run, so harmless
+    r.add_post("/flush_cache", flush_cache)
     for p, h in (("/health", health), ("/health_generate", health_generate), ("/model_info", model_info),
                  ("/get_model_info", model_info), ("/server_info", server_info), ("/get_server_info", server_info),
                  ("/get_weight_version", weight_version), ("/v1/loads", loads), ("/get_load", get_load)):
@@ -119,9 +140,10 @@ def build_app(engine: Any, *, api_key: str | None = None, model_name: str | None
 async def serve(
     engine: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None, *,
     model_name: str | None = None, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Serve until `stop` is set (or the task is cancelled). Prints the listening line once bound."""
-    app = build_app(engine, api_key=api_key, model_name=model_name)
+    app = build_app(engine, api_key=api_key, model_name=model_name, limits=limits)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     try:
@@ -151,7 +173,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m streamrl.engine.h
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for model steps")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--allow-no-api-key", action="store_true",
+                   help="serve a non-loopback --host without --api-key (anyone who reaches it can drive the engine)")
+    d = Limits()
+    p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="largest request body")
+    p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="longest text prompt")
+    p.add_argument("--max-batch-size", type=int, default=d.max_items,
+                   help="most generations in one request (batch entries x n)")
+    p.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s,
+                   help="seconds a request's body may take to arrive")
     args = p.parse_args(argv)
+    if not (_is_loopback(args.host) or args.api_key or args.allow_no_api_key):
+        print(f"{prog}: error: --host {args.host} is reachable from other machines: give --api-key KEY "
+              "(or --allow-no-api-key to serve it open)", file=sys.stderr)
+        return 2
+    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_text_chars=args.max_text_chars,
+                    max_items=args.max_batch_size, read_timeout_s=args.read_timeout_s)
 
     async def run() -> None:
         from ..torch_engine import TorchEngine
@@ -163,7 +200,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m streamrl.engine.h
         engine = TorchEngine(args.model, device=args.device, dtype=args.dtype, weight_version=args.weight_version,
                              max_running_requests=args.max_running_requests, num_threads=args.num_threads)
         async with engine:
-            await serve(engine, args.host, args.port, args.api_key, model_name=args.served_model_name, stop=stop)
+            await serve(engine, args.host, args.port, args.api_key, model_name=args.served_model_name, stop=stop,
+                        limits=limits)
         print("streamrl serve: stopped", flush=True)
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -175,6 +213,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m streamrl.engine.h
         runner = asyncio.run
     runner(run())
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 if __name__ == "__main__":
