@@ -119,7 +119,8 @@ async def train(r: Run, *, log: Any) -> dict[str, Any]:
     return {"eval_before": before, "train_wall_s": time.perf_counter() - r.metrics.t0, "steps": sched.steps,
             "eval_after": await r.manager.evaluate_held_out(), "samples": r.trainer.samples,
             "groups_admitted": r.controller.stats.admitted, "groups_generated": r.manager.counters.groups_done,
-            "requests_lost_with_a_replica": r.pool.stats().get("lost_requests", 0)}
+            "requests_lost_with_a_replica": r.pool.stats().get("lost_requests", 0),
+            **{k: v for k, v in r.pool.stats().items() if k.startswith("servers_")}}
 
 
 async def train_step(r: Run, push: asyncio.Task[None]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -404,7 +403,7 @@ async def _storm(url: str, pid: int, *, n_hostile: int, n_valid: int) -> dict:
                 async with s.request(method, url + path, data=body, headers=headers) as r:
                     await r.read()
                     code = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError):  # the server may cut a lying body short
+            except (TimeoutError, aiohttp.ClientError):  # the server may cut a lying body short
                 code = -1
             stats["sent"] += 1
             stats["statuses"][code] = stats["statuses"].get(code, 0) + 1

@@ -96,6 +96,20 @@ class EnginesConfig(_Section):
     start_timeout_s: Annotated[float, _d("pool=http: seconds a launched server may take to become healthy", gt=0)] = (
         600.0
     )
+    health_check_interval_s: Annotated[float, _d("pool=http: seconds between health checks of each server", gt=0)] = (
+        1.0
+    )
+    health_check_timeout_s: Annotated[float, _d(
+        "pool=http: a server that misses two health checks of this many seconds is lost (routed around, "
+        "relaunched or waited for)", gt=0,
+    )] = 5.0
+    control_timeout_s: Annotated[float, _d(
+        "pool=http: seconds a control call (pause, resume, weight load) may take before its server is lost", gt=0,
+    )] = 300.0
+    max_restarts: Annotated[int, _d("pool=http: relaunches of each launched server that was lost", ge=0)] = 3
+    all_lost_timeout_s: Annotated[float, _d(
+        "pool=http: seconds generation waits for a server when none is up, before the run stops", gt=0,
+    )] = 120.0
     engine: Annotated[Literal["torch", "sglang"], _d(
         "engine inside each ray_serve replica: the embedded TorchEngine, or sglang.Engine (GPU build; unverified)"
     )] = "torch"

@@ -22,14 +22,17 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, EnginesConfig
 from ..engine.http.client import SGLangClient
+from ..engine.protocol import build_result, finish_reason
 from ..procs import EngineStartError, free_port, terminate_group
 from ..weights import BroadcastSync, DiskSync
-from .pools import EnginePool, LeastLoaded
+from .pools import EnginePool
+from .replicas import Failover, ReplicaLost, Replicas
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
 
@@ -85,8 +88,11 @@ class ServerProcess:
                 log.write(line.decode(errors="replace"))
                 log.flush()
 
-    async def stop(self) -> None:
-        await terminate_group(self.proc, 15)
+    async def stop(self, grace: float = 15.0) -> None:
+        drain = getattr(self, "_drain", None)
+        await terminate_group(self.proc, grace)
+        if drain is not None:
+            await asyncio.gather(drain, return_exceptions=True)  # the log is closed with the pipe
 
 
 class RouterProcess:
@@ -131,7 +137,9 @@ class RouterProcess:
 
 
 class HttpPool(EnginePool):
-    """Generation to the router (if any) or the least-loaded worker; control calls to every worker.
+    """Generation to the router (if any) or the least-loaded server that is up; control calls to every
+    server that is up. Servers that die or stop answering are routed around, relaunched or waited for
+    (`replicas.Replicas`, docs/http.md "Failover").
 
     The router re-encodes requests and drops unknown fields, and retries a non-streaming request on
     another worker when one dies: so request ids stay unique per attempt and nothing rides in custom
@@ -140,7 +148,7 @@ class HttpPool(EnginePool):
 
     def __init__(self, urls: list[str] | None = None, *, launch: list[Any] | None = None,
                  router: str | None = None, router_log: Path | None = None, api_key: str | None = None,
-                 weight_sync: str = "disk", backend: str = "sglang") -> None:
+                 weight_sync: str = "disk", backend: str = "sglang", failover: Failover | None = None) -> None:
         if weight_sync not in ("disk", "distributed"):
             raise ValueError(f"weight_sync must be disk or distributed, got {weight_sync!r}")
         if backend not in ("sglang", "vllm"):
@@ -149,37 +157,56 @@ class HttpPool(EnginePool):
             raise ValueError("vllm servers take weights from disk and are routed in-process (no router)")
         super().__init__()
         self.backend = backend
-        self.urls = list(urls or [])
+        self.given = list(urls or [])
         self.servers = launch or []
         self.router_url = router if router and router != "launch" else None
         self.router_proc = RouterProcess(router_log or Path(tempfile.mktemp())) if router == "launch" else None
         self.router_client: SGLangClient | None = None
         self.api_key = api_key
-        self.num_replicas = len(self.urls) + len(self.servers)
-        self.clients: list[Any] = []  # SGLangClient or VLLMClient: the same calls, the same results
-        self.weight_sync = BroadcastSync(self.clients) if weight_sync == "distributed" else DiskSync(self.clients)
-        self._route = LeastLoaded(self.num_replicas)
+        self.num_replicas = len(self.given) + len(self.servers)
+        self.failover = failover or Failover(enabled=router is None)
+        self.clients: list[Any] = []  # BroadcastSync's: every server, in rank order
+        self.weight_sync: DiskSync | BroadcastSync = (
+            BroadcastSync(self.clients) if weight_sync == "distributed" else DiskSync(self.clients, each=self._each))
+        self.replicas: Replicas | None = None
         self._busy = {"busy_s": 0.0, "prefill_s": 0.0}
 
-    async def start(self) -> None:
-        if self.servers:
-            self.urls += await asyncio.gather(*[s.start() for s in self.servers])
-        client = SGLangClient
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas.all] if self.replicas else list(self.given)
+
+    def _client(self, url: str) -> Any:
         if self.backend == "vllm":
-            from ..engine.vllm import VLLMClient as client  # type: ignore[assignment]
-        self.clients += [client(u, self.api_key, timeout=None) for u in self.urls]
-        for c, u in zip(self.clients, self.urls, strict=True):
-            if not await c.health():
-                raise EngineStartError(f"engine server {u} is not healthy (or not listening)")
+            from ..engine.vllm import VLLMClient
+
+            return VLLMClient(url, self.api_key, timeout=None)
+        return SGLangClient(url, self.api_key, timeout=None)
+
+    async def start(self) -> None:
+        sync = self.weight_sync
+        self.replicas = reps = Replicas(
+            self.failover, self._client, paused=lambda: self.is_paused, breaks_on_loss=isinstance(sync, BroadcastSync),
+            current=lambda: (sync.current[0], str(sync.current[1])) if isinstance(sync, DiskSync) and sync.current
+            else None)
+        launched = await asyncio.gather(*[s.start() for s in self.servers])
+        for u in self.given:
+            reps.add(u)
+        for u, server in zip(launched, self.servers, strict=True):
+            reps.add(u, server)
+        self.clients += [r.client for r in reps.all]
+        for r in reps.all:
+            if not await r.client.health():
+                raise EngineStartError(f"engine server {r.url} is not healthy (or not listening)")
             if self.backend == "vllm":
-                await c.check_server()
-                await c.update_weight_version("0")  # vLLM starts at "default"; streamrl counts from 0
-        if isinstance(self.weight_sync, BroadcastSync):
-            await self.weight_sync.connect()
+                await r.client.check_server()
+                await r.client.update_weight_version("0")  # vLLM starts at "default"; streamrl counts from 0
+        if isinstance(sync, BroadcastSync):
+            await sync.connect()
         if self.router_proc is not None:
             self.router_url = await self.router_proc.start(self.urls)
         if self.router_url:
             self.router_client = SGLangClient(self.router_url, self.api_key, timeout=None)
+        reps.start_monitor()
 
     async def aclose(self) -> None:
         await self.weight_sync.aclose()
@@ -187,56 +214,86 @@ class HttpPool(EnginePool):
             await self.router_client.aclose()
         if self.router_proc is not None:
             await self.router_proc.stop()
-        for c in self.clients:
-            await c.aclose()
+        if self.replicas is not None:
+            await self.replicas.aclose()
         await asyncio.gather(*[s.stop() for s in self.servers])
+
+    async def _each(self, fn: Callable[[Any], Awaitable[Any]]) -> list[Any]:
+        assert self.replicas is not None
+        return await self.replicas.each(fn)
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
         if self.router_client is not None:
             return await self.router_client.generate(input_ids, sampling_params, rid, return_logprob=True)
-        i = self._route.pick()
-        try:
-            return await self.clients[i].generate(input_ids, sampling_params, rid, return_logprob=True)
-        finally:
-            self._route.done(i)
+        return (await self._send([input_ids], [sampling_params], rid, batched=False))[0]
 
     async def generate_many(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
                             rids: list[str]) -> list[dict[str, Any]]:
         """A group as one POST /generate in SGLang's batch form (lists of input_ids, sampling_params and
-        rids; the answer is a list in order) to the least-loaded worker: one request to parse, route and
-        answer instead of one per sample, which cuts the server's and the driver's CPU per sample (the
-        engine is the busiest process of an async CPU run). Through a router (whose batch handling is not
-        verified here) or to vLLM: one request per sample."""
+        rids; the answer is a list in order) to the least-loaded server: one request to parse, route
+        and answer instead of one per sample, which cuts the server's and the driver's CPU per sample
+        (the engine is the busiest process of an async CPU run). Through a router (whose batch handling
+        is not verified here) or to vLLM: one request per sample."""
         if self.router_client is not None or self.backend == "vllm" or len(input_ids) < 2:
             return await super().generate_many(input_ids, sampling_params, rids)
+        return await self._send(input_ids, sampling_params, rids, batched=True)
+
+    async def _send(self, input_ids: list[list[int]], params: list[dict[str, Any]], rids: Any,
+                    batched: bool) -> list[dict[str, Any]]:
+        """Requests to one up server. If it is lost meanwhile, they come back aborted with no new
+        tokens (it never sent them), and the rollout manager resubmits them to the servers up."""
+        reps = self.replicas
+        assert reps is not None
         n = len(input_ids)
-        i = self._route.pick(n)
+        rep = await reps.pick(n)
         try:
-            out = await self.clients[i].generate(input_ids, sampling_params, rids, return_logprob=True)
+            out = await reps.on(rep, rep.client.generate(input_ids if batched else input_ids[0],
+                                                         params if batched else params[0], rids,
+                                                         return_logprob=True))
+        except ReplicaLost:
+            reps.counters["lost_requests"] += n
+            return [_lost_result(r, len(i)) for r, i in zip(rids if batched else [rids], input_ids, strict=True)]
         finally:
-            self._route.done(i, n)
+            reps.done(rep, n)
+        if not batched:
+            return [out]
         if not isinstance(out, list) or len(out) != n:
-            raise RuntimeError(f"{self.urls[i]}: a batch of {n} requests got {type(out).__name__} back")
+            raise RuntimeError(f"{rep.url}: a batch of {n} requests got {type(out).__name__} back")
         return out
 
     async def abort_all(self) -> None:
-        await asyncio.gather(*[c.abort_all() for c in self.clients])
+        await self._each(lambda c: c.abort_all())
 
     async def _pause_all(self, mode: str) -> None:
-        await asyncio.gather(*[c.pause(mode) for c in self.clients])
+        await self._each(lambda c: c.pause(mode))
 
     async def _resume_all(self) -> None:
-        await asyncio.gather(*[c.resume() for c in self.clients])
+        await self._each(lambda c: c.resume())
 
     def stats(self) -> dict[str, Any]:
-        return {"running": sum(self._route.inflight), **self._busy, "replicas": self.urls}
+        reps = self.replicas
+        if reps is None:
+            return {"running": 0, **self._busy, "replicas": self.urls}
+        return {"running": sum(reps.route.inflight), **self._busy, "replicas": [r.url for r in reps.up],
+                **reps.counters}
 
     async def refresh_stats(self) -> None:
         """Engine busy time summed over servers, for the idle-fraction metric (a server that cannot
         tell counts as 0)."""
-        busy = await asyncio.gather(*[c.busy_seconds() for c in self.clients], return_exceptions=True)
-        ok = [b for b in busy if isinstance(b, dict)]
+        async def busy(c: Any) -> Any:
+            try:
+                return await c.busy_seconds()
+            except Exception:  # noqa: BLE001 - a server that cannot tell counts as 0
+                return None
+
+        ok = [b for b in await self._each(busy) if isinstance(b, dict)]
         self._busy = {k: sum(b[k] for b in ok) for k in ("busy_s", "prefill_s")}
+
+
+def _lost_result(rid: str, prompt_tokens: int) -> dict[str, Any]:
+    return build_result(rid=rid, text="", output_ids=[], logprobs=[], prompt_tokens=prompt_tokens, weight_version="",
+                        finish=finish_reason("abort", message="engine server lost", status_code=503,
+                                             err_type="ServerLost"))
 
 
 def launch_servers(n: int, model_dir: str, run_dir: Path, **kw: Any) -> list[ServerProcess]:
@@ -275,8 +332,9 @@ def build_http_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: 
                        cache_dir=vllm_cache_dir(), start_timeout=cfg.start_timeout_s)
             for i in range(cfg.num_replicas)
         ]
-        return HttpPool(cfg.urls, launch=launched, backend="vllm")
-    routing = dict(router=cfg.router, router_log=logs / "router.log", weight_sync=cfg.weight_sync)
+        return HttpPool(cfg.urls, launch=launched, backend="vllm", failover=Failover.from_config(cfg))
+    routing = dict(router=cfg.router, router_log=logs / "router.log", weight_sync=cfg.weight_sync,
+                   failover=Failover.from_config(cfg))
     if cfg.urls:
         return HttpPool(cfg.urls, **routing)  # type: ignore[arg-type]
     from ..devices import resolve_device

@@ -228,7 +228,7 @@ class RolloutManager:
                 await asyncio.gather(*[self._run_episode(s, record) for s in group.samples
                                        if s.status not in ("completed", "truncated")])
             await self._score(group.samples)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, RolloutFailed):  # RolloutFailed: the pool has no engine left
             self.controller.release(version, returned=True)
             raise
         except Exception as e:  # noqa: BLE001 - a failed group is counted and its slot given back

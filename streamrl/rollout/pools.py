@@ -187,17 +187,33 @@ class LeastLoaded:
     """Routing: the replica with the fewest requests in flight, in O(log replicas) per request.
 
     A heap of (in flight, replica) with lazy deletion: every change pushes the replica's new count, and
-    entries whose count is no longer current are skipped when they surface."""
+    entries whose count is no longer current (or whose replica is out of rotation) are skipped when
+    they surface."""
 
     def __init__(self, n: int) -> None:
         self.inflight = [0] * n
+        self.out: set[int] = set()  # replicas out of rotation (lost servers)
         self._heap = [(0, i) for i in range(n)]
 
+    def grow(self) -> int:
+        """One more replica; returns its index."""
+        self.inflight.append(0)
+        heapq.heappush(self._heap, (0, len(self.inflight) - 1))
+        return len(self.inflight) - 1
+
+    def set_out(self, i: int, out: bool) -> None:
+        if out:
+            self.out.add(i)
+        elif i in self.out:
+            self.out.discard(i)
+            heapq.heappush(self._heap, (self.inflight[i], i))
+
     def pick(self, k: int = 1) -> int:
-        """The least-loaded replica, now counted with `k` more requests."""
+        """The least-loaded replica in rotation, now counted with `k` more requests (IndexError if
+        every replica is out)."""
         while True:
             n, i = heapq.heappop(self._heap)
-            if n == self.inflight[i]:
+            if n == self.inflight[i] and i not in self.out:
                 self._add(i, k)
                 return i
 
@@ -208,5 +224,5 @@ class LeastLoaded:
         self.inflight[i] += k
         heapq.heappush(self._heap, (self.inflight[i], i))
         if len(self._heap) > 8 * len(self.inflight):  # drop the stale entries now and then
-            self._heap = [(n, j) for j, n in enumerate(self.inflight)]
+            self._heap = [(n, j) for j, n in enumerate(self.inflight) if j not in self.out]
             heapq.heapify(self._heap)

@@ -54,12 +54,20 @@ class InProcessSync(WeightSync):
 
 class DiskSync(WeightSync):
     """The version's folder is written in `stage`, while the engines still generate, so the pause only
-    covers their loading it."""
+    covers their loading it. `current` is the newest loaded (version, folder), which a server that
+    joins later loads first. `each(fn)`: how to call every client (the HTTP pool's skips lost
+    servers); default: all of `clients` at once."""
 
-    def __init__(self, clients: Sequence[Any]) -> None:
+    def __init__(self, clients: Sequence[Any],
+                 each: Callable[[Callable[[Any], Awaitable[Any]]], Awaitable[Any]] | None = None) -> None:
         self.clients = clients
+        self.each = each or self._all
         self.root = Path(tempfile.mkdtemp(prefix="streamrl-weights-", dir=_fast_tmp()))
         self._staged: tuple[int, Path] | None = None
+        self.current: tuple[int, Path] | None = None
+
+    async def _all(self, fn: Callable[[Any], Awaitable[Any]]) -> list[Any]:
+        return list(await asyncio.gather(*[fn(c) for c in self.clients]))
 
     async def _write(self, named_tensors: Any, version: int) -> Path:
         return await asyncio.to_thread(save_folder, named_tensors, self.root / f"v{version}")
@@ -70,13 +78,16 @@ class DiskSync(WeightSync):
     async def load(self, named_tensors: Any, version: int) -> None:
         staged, self._staged = self._staged, None
         folder = staged[1] if staged and staged[0] == version else await self._write(named_tensors, version)
+        previous, self.current = self.current, (version, folder)
         try:
-            await asyncio.gather(*[c.update_weights_from_disk(str(folder), str(version)) for c in self.clients])
-        finally:
-            with contextlib.suppress(OSError):
-                for old in self.root.iterdir():
-                    if old != folder:
-                        shutil.rmtree(old, ignore_errors=True)
+            await self.each(lambda c: c.update_weights_from_disk(str(folder), str(version)))
+        except BaseException:
+            self.current = previous
+            raise
+        with contextlib.suppress(OSError):
+            for old in self.root.iterdir():
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
 
     async def aclose(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

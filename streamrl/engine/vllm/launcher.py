@@ -99,5 +99,5 @@ class VLLMServer:
             return ""
         return "\n".join("    " + line for line in lines[-n:])
 
-    async def stop(self) -> None:
-        await terminate_group(self.proc, 20)
+    async def stop(self, grace: float = 20.0) -> None:
+        await terminate_group(self.proc, grace)
