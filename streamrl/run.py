@@ -86,8 +86,7 @@ async def build(cfg: Config, stack: AsyncExitStack, task: Task, model_dir: str, 
     stack.push_async_callback(manager.aclose)
     await stack.enter_async_context(pool)
     if cfg.engines.urls or resume is not None:
-        # Servers the user runs may hold other weights, and a resumed run's engines need the
-        # checkpoint's version: version v means the same weights everywhere.
+        # user-run servers may hold other weights, a resumed run's engines need the checkpoint's version
         await pool.push_weights(trainer.weights(), trainer.version, pause=None)
     metrics = StepMetrics(run_dir, sched.steps, manager=manager, controller=controller, buffer=buffer, pool=pool,
                           save_samples=cfg.save_samples, append=resume is not None, progress=show_progress)

@@ -201,3 +201,33 @@ def test_ray_that_cannot_start_is_one_clear_line(tmp_path: Path) -> None:
     assert p.returncode == 1
     assert p.stderr.strip().splitlines()[-1].startswith("error: Ray's temp folder")
     assert "Traceback" not in p.stderr
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(proc.name))
+    return kids
+
+
+def test_a_trainer_killed_mid_run_is_one_line_exit_1(tmp_path: Path) -> None:
+    """The trainer is a child process of the run: killed by the OOM killer (SIGKILL) mid-run, the run
+    stops with one line naming the signal, no traceback, and leaves no process behind."""
+    import os
+    import signal
+
+    p, _, model = quickstart_until_first_step(tmp_path)
+    trainer = [k for k in _children(p.pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    assert len(trainer) == 1, trainer
+    os.kill(trainer[0], signal.SIGKILL)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"error: the trainer process (pid {trainer[0]}) was killed by SIGKILL"
+    assert "Traceback" not in err
+    assert not processes_mentioning(str(model).encode())

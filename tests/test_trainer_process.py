@@ -71,10 +71,11 @@ async def test_a_failing_step_raises_the_child_error_and_the_child_keeps_serving
 async def test_a_killed_trainer_is_one_clear_error(tiny_model_dir: Path) -> None:
     remote = TrainerProcess(TrainerConfig(loss="grpo"), str(tiny_model_dir))
     try:
-        os.kill(remote._proc.pid, signal.SIGKILL)
+        pid = remote._proc.pid
+        os.kill(pid, signal.SIGKILL)
         with pytest.raises(TrainerFailed) as info:
             await remote.accumulate(fake_groups(4))
-        assert str(info.value) == "the trainer process died (exit status -9)"
+        assert str(info.value) == f"the trainer process (pid {pid}) was killed by SIGKILL"
     finally:
         await remote.aclose()
 

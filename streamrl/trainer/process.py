@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import signal
+import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
@@ -27,6 +28,7 @@ from typing import Any
 
 import msgspec
 import torch
+from tqdm import tqdm
 
 from ..config import TrainerConfig
 from ..devices import resolve_device
@@ -45,6 +47,9 @@ def _serve(conn: Any, cfg: TrainerConfig, model_path: str, kwargs: dict[str, Any
     # Ctrl-C reaches the whole process group; the parent decides when this process stops (and if the
     # parent dies, the pipe closes and the loop below ends).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore: if this process is killed (the OOM killer),
+    # the parent's resource tracker warns about it after the run's one error line.
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(cfg.threads)
     try:
         trainer = Trainer(cfg, model_path, **kwargs)
