@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest_asyncio
 import torch
 from aiohttp import web
 from helpers import STREAMRL
+from http_storm import PROMPT, ROUTES, Serve, rss_mb, storm
 
 from streamrl.engine import TorchEngine
 from streamrl.engine.http import SGLangClient, build_app
@@ -25,7 +25,6 @@ from streamrl.engine.http.common import Limits
 
 aio = pytest.mark.asyncio(loop_scope="module")
 
-PROMPT = [1, 5, 6, 14, 7, 17]
 LIMITS = Limits(max_body_bytes=1 << 20, max_text_chars=20_000, max_items=64, read_timeout_s=0.5)
 
 
@@ -174,11 +173,6 @@ async def test_long_prompt_is_tokenized_off_the_event_loop(engine_model_dir: Pat
             await runner.cleanup()
 
 
-ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions", "/pause_generation", "/continue_generation",
-          "/update_weights_from_disk", "/update_weight_version", "/init_weights_update_group", "/abort_request",
-          "/release_memory_occupation", "/flush_cache"]
-
-
 @pytest.mark.parametrize("path", ROUTES)
 @aio
 async def test_posts_must_be_json_and_not_from_a_web_page(srv, path: str) -> None:
@@ -256,168 +250,22 @@ def test_non_loopback_bind_needs_a_key(tmp_path: Path, engine_model_dir: Path) -
     assert p.returncode == 2 and "--api-key" in p.stderr and "0.0.0.0" in p.stderr
     assert len(p.stderr.strip().splitlines()) <= 3  # usage + one error line, no traceback
     for extra in (["--api-key", "k"], ["--allow-no-api-key"]):
-        with _serve(engine_model_dir, tmp_path, "--host", "0.0.0.0", *extra) as (url, _proc):
+        with Serve(engine_model_dir, tmp_path / "serve.log", "--host", "0.0.0.0", *extra) as (url, _proc):
             assert url.startswith("http://0.0.0.0:")
-
-
-# ---- the storm -----------------------------------------------------------------------------------
-class _serve:
-    """`streamrl serve` through the console script, stderr to a file; yields (url, process)."""
-
-    def __init__(self, model: Path, tmp: Path, *args: str) -> None:
-        self.cmd = [*STREAMRL, "serve", "--model", str(model), "--port", "0", "--device", "cpu",
-                    "--num-threads", "1", *args]
-        self.log = tmp / f"serve-{random.getrandbits(32):08x}.log"
-
-    def __enter__(self) -> tuple[str, subprocess.Popen]:
-        self.err = self.log.open("w")
-        self.p = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self.err, text=True)
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        while "listening on" not in line:
-            assert line, f"the server exited before listening: {self.log.read_text()}"
-            line = self.p.stdout.readline()
-        return line.rsplit(" ", 1)[-1].strip(), self.p
-
-    def __exit__(self, *exc: object) -> None:
-        self.p.terminate()
-        self.p.wait(30)
-        self.err.close()
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _hostile(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:
-    """One malformed or hostile request: (method, path, body, headers)."""
-    j = {"Content-Type": "application/json"}
-    sp = rng.choice([
-        {"top_k": 2**64 - 1}, {"top_k": 0}, {"max_new_tokens": -1}, {"max_new_tokens": 2**80}, {"temperature": -1},
-        {"temperature": "hot"}, {"top_p": 0}, {"min_p": 2}, {"n": 10**9}, {"n": 0}, {"n": True},
-        {"stop": [""] * 100}, {"stop_token_ids": [10**12]}, {"sampling_seed": 2**65}, {"frequency_penalty": 1},
-        {"bogus": 1}, {"max_new_tokens": 10**6}, {"stop": 5},
-    ])
-    choice = rng.randrange(14)
-    if choice == 0:
-        return "POST", "/generate", json.dumps({"input_ids": PROMPT, "sampling_params": sp}).encode(), j
-    if choice == 1:
-        return "POST", "/generate", rng.choice([b"{", b"[]", b"null", b"\xff\xfe", b"{\"input_ids\": [1,", b"1e999",
-                                                b"[" * 5000 + b"]" * 5000, b"{\"text\": " * 3000]), j
-    if choice == 2:
-        return "POST", "/generate", json.dumps(rng.choice([
-            {"input_ids": [-1]}, {"input_ids": [10**30]}, {"input_ids": []}, {"input_ids": [[]]}, {"text": 5},
-            {"text": "x", "input_ids": [1]}, {"input_ids": [1] * 5000}, {"input_ids": [PROMPT] * 5000},
-            {"text": "9" * 300_000}, {"rid": 5, "input_ids": PROMPT}, {"input_ids": PROMPT, "return_logprob": "y"},
-            {"input_ids": PROMPT, "logprob_start_len": 3}, {"input_ids": PROMPT, "lora_path": "x"},
-        ])).encode(), j
-    if choice == 3:
-        return "POST", rng.choice(ROUTES), b'{"mode": "abort"}', {"Content-Type": rng.choice(
-            ["text/plain", "application/x-www-form-urlencoded", "image/png"])}
-    if choice == 4:
-        return "POST", rng.choice(ROUTES), b"{}", {**j, "Origin": "http://evil.example"}
-    if choice == 5:
-        return "POST", "/update_weights_from_disk", json.dumps({"model_path": rng.choice(
-            ["/etc/*", "/", "/nonexistent", "*", "../../..", 5, "/proc/self"])}).encode(), j
-    if choice == 6:
-        return "POST", "/pause_generation", json.dumps({"mode": rng.choice(["nope", 5, None, "x" * 1000])}).encode(), j
-    if choice == 7:
-        return "POST", "/init_weights_update_group", json.dumps(rng.choice([
-            {}, {"master_address": 5}, {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1,
-                                        "world_size": 2},
-            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "mpi"},
-        ])).encode(), j
-    if choice == 8:
-        return "POST", "/v1/completions", json.dumps(rng.choice([
-            {"prompt": None}, {"prompt": "1+2=", "n": 10**9}, {"prompt": "1+2=", "max_tokens": -5},
-            {"prompt": "1+2=", "top_k": 2**64}, {"prompt": [[-1]]}, {"prompt": "1", "logit_bias": {"1": 5}},
-            {"prompt": "1", "echo": True}, {"prompt": "1+2=", "seed": 2**70},
-        ])).encode(), j
-    if choice == 9:
-        return "POST", "/v1/chat/completions", json.dumps(rng.choice([
-            {"messages": []}, {"messages": [{"role": 5}]}, {"messages": "hi"},
-            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            {"messages": [{"role": "user", "content": "1"}], "tools": [{"type": "function"}]},
-            {"messages": [{"role": "user", "content": "1"}], "n": 2**40},
-        ])).encode(), j
-    if choice == 10:
-        return rng.choice(["GET", "DELETE", "PATCH"]), rng.choice(ROUTES + ["/nope", "/v1/models/x"]), b"", {}
-    if choice == 11:
-        return "POST", "/abort_request", json.dumps(rng.choice([{"rid": 5}, {"abort_all": "yes"}, [1]])).encode(), j
-    if choice == 12:
-        return "POST", "/update_weight_version", json.dumps(rng.choice([{}, {"new_version": 5}])).encode(), j
-    return "POST", "/generate", b'{"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 3}}', {
-        "Content-Type": "application/json", "Content-Length": "999999999"}
 
 
 def test_storm_of_hostile_requests(tmp_path: Path, engine_model_dir: Path) -> None:
     """Thousands of malformed and hostile requests at every endpoint of the real server, valid ones
-    mixed in: no 5xx, every valid request succeeds, /health answers within 1 s throughout, memory
-    stays bounded, and the log holds no traceback."""
-    with _serve(engine_model_dir, tmp_path, "--max-running-requests", "16") as (url, proc):
-        rss0 = _rss_mb(proc.pid)
-        stats = asyncio.run(_storm(url, proc.pid, n_hostile=2000, n_valid=100))
+    mixed in (bench/http_storm.py, smaller): no 5xx, every valid request succeeds, /health answers
+    within 1 s throughout, memory stays bounded, and the log holds no traceback."""
+    log = tmp_path / "serve.log"
+    with Serve(engine_model_dir, log, "--max-running-requests", "16") as (url, proc):
+        rss0 = rss_mb(proc.pid)
+        stats = asyncio.run(storm(url, proc.pid, n_hostile=2000, n_valid=100))
         assert proc.poll() is None, "the server died"
-    log = next(tmp_path.glob("serve-*.log")).read_text()
-    print(f"storm: {stats} rss start {rss0:.0f} MB")
+    assert stats["hostile"] == 2000 and stats["4xx"] > 1500, stats  # refused, not silently taken
     assert stats["5xx"] == 0, stats
-    assert stats["valid_ok"] == stats["valid"], stats
+    assert stats["valid_ok"] == stats["valid"] == 100, stats
     assert stats["health_worst_s"] < 1.0, stats
     assert stats["rss_max_mb"] - rss0 < 600, (rss0, stats)
-    assert "Traceback" not in log, log[-3000:]
-
-
-async def _storm(url: str, pid: int, *, n_hostile: int, n_valid: int) -> dict:
-    rng = random.Random(0)
-    stats = {"sent": 0, "5xx": 0, "4xx": 0, "valid": 0, "valid_ok": 0, "health_worst_s": 0.0, "rss_max_mb": 0.0,
-             "statuses": {}}
-    stop = asyncio.Event()
-    timeout = aiohttp.ClientTimeout(total=60)
-    # Valid requests and health probes on connections of their own: the server closes a connection
-    # after refusing a body it did not read, and a client reusing it would see that, not the server.
-    async with aiohttp.ClientSession(timeout=timeout) as s, aiohttp.ClientSession(timeout=timeout) as good:
-
-        async def health() -> None:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                async with good.get(url + "/health") as r:
-                    assert r.status == 200
-                stats["health_worst_s"] = max(stats["health_worst_s"], time.monotonic() - t0)
-                stats["rss_max_mb"] = max(stats["rss_max_mb"], _rss_mb(pid))
-                await asyncio.sleep(0.05)
-
-        async def one(k: int) -> None:
-            if k % (n_hostile // n_valid) == 0 and stats["valid"] < n_valid:
-                stats["valid"] += 1
-                body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True,
-                                                                 "temperature": 1.0, "top_k": 5}}
-                async with good.post(url + "/generate", json=body) as r:
-                    out = await r.json()
-                    stats["valid_ok"] += r.status == 200 and len(out["output_ids"]) == 4
-                return
-            method, path, body, headers = _hostile(rng)
-            try:
-                async with s.request(method, url + path, data=body, headers=headers) as r:
-                    await r.read()
-                    code = r.status
-            except (TimeoutError, aiohttp.ClientError):  # the server may cut a lying body short
-                code = -1
-            stats["sent"] += 1
-            stats["statuses"][code] = stats["statuses"].get(code, 0) + 1
-            stats["5xx"] += code >= 500
-            stats["4xx"] += 400 <= code < 500
-
-        prober = asyncio.ensure_future(health())
-        sem = asyncio.Semaphore(32)
-
-        async def bounded(k: int) -> None:
-            async with sem:
-                await one(k)
-
-        await asyncio.gather(*[bounded(k) for k in range(n_hostile + n_valid)])
-        stop.set()
-        await prober
-    return stats
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]

@@ -231,8 +231,7 @@ class Replicas:
 
     async def _relaunch(self, rep: Replica) -> None:
         server = rep.server
-        await server.stop(grace=0.5)
-        log.warning("DBG relaunch: stopped")  # SIGKILL soon: a frozen (SIGSTOPped) server never handles SIGTERM
+        await server.stop(grace=0.5)  # SIGKILL soon: a frozen (SIGSTOPped) server never handles SIGTERM
         while rep.restarts < self.settings.max_restarts:
             await asyncio.sleep(min(2.0 ** rep.restarts, 30.0))
             rep.restarts += 1
