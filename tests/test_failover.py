@@ -18,9 +18,8 @@ import pytest
 from helpers import STREAMRL
 from test_run import REPO, read_groups, read_metrics, small_cfg
 
-from streamrl.config import config_from_dict
+from streamrl.config import EnginesConfig, config_from_dict
 from streamrl.rollout.http_pool import HttpPool, launch_servers
-from streamrl.rollout.replicas import Failover
 from streamrl.run import run
 from streamrl.weights import load_folder
 
@@ -117,7 +116,7 @@ async def test_a_lost_launched_server_is_relaunched_with_current_weights(
     down, and only then routed to: its greedy tokens equal the other server's."""
     servers = launch_servers(2, str(tiny_model_dir), tmp_path, device="cpu", dtype="float32",
                              max_running_requests=8, threads=1, weight_version="0")
-    pool = HttpPool(launch=servers, failover=Failover(0.3, 1.0))
+    pool = HttpPool(launch=servers, engines=EnginesConfig(health_check_interval_s=0.3, health_check_timeout_s=1.0))
     greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     async with pool:
         first_pid = servers[0].proc.pid

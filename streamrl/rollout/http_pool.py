@@ -32,7 +32,7 @@ from ..engine.protocol import build_result, finish_reason
 from ..procs import EngineStartError, free_port, terminate_group
 from ..weights import BroadcastSync, DiskSync
 from .pools import EnginePool
-from .replicas import Failover, ReplicaLost, Replicas
+from .replicas import ReplicaLost, Replicas
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
 
@@ -148,7 +148,7 @@ class HttpPool(EnginePool):
 
     def __init__(self, urls: list[str] | None = None, *, launch: list[Any] | None = None,
                  router: str | None = None, router_log: Path | None = None, api_key: str | None = None,
-                 weight_sync: str = "disk", backend: str = "sglang", failover: Failover | None = None) -> None:
+                 weight_sync: str = "disk", backend: str = "sglang", engines: EnginesConfig | None = None) -> None:
         if weight_sync not in ("disk", "distributed"):
             raise ValueError(f"weight_sync must be disk or distributed, got {weight_sync!r}")
         if backend not in ("sglang", "vllm"):
@@ -164,7 +164,7 @@ class HttpPool(EnginePool):
         self.router_client: SGLangClient | None = None
         self.api_key = api_key
         self.num_replicas = len(self.given) + len(self.servers)
-        self.failover = failover or Failover(enabled=router is None)
+        self.engines = engines or EnginesConfig()  # its failover settings: health checks, restarts
         self.clients: list[Any] = []  # BroadcastSync's: every server, in rank order
         self.weight_sync: DiskSync | BroadcastSync = (
             BroadcastSync(self.clients) if weight_sync == "distributed" else DiskSync(self.clients, each=self._each))
@@ -185,7 +185,8 @@ class HttpPool(EnginePool):
     async def start(self) -> None:
         sync = self.weight_sync
         self.replicas = reps = Replicas(
-            self.failover, self._client, paused=lambda: self.is_paused, breaks_on_loss=isinstance(sync, BroadcastSync),
+            self.engines, self._client, paused=lambda: self.is_paused, enabled=self.router_url is None
+            and self.router_proc is None, breaks_on_loss=isinstance(sync, BroadcastSync),
             current=lambda: (sync.current[0], str(sync.current[1])) if isinstance(sync, DiskSync) and sync.current
             else None)
         launched = await asyncio.gather(*[s.start() for s in self.servers])
@@ -332,9 +333,9 @@ def build_http_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: 
                        cache_dir=vllm_cache_dir(), start_timeout=cfg.start_timeout_s)
             for i in range(cfg.num_replicas)
         ]
-        return HttpPool(cfg.urls, launch=launched, backend="vllm", failover=Failover.from_config(cfg))
+        return HttpPool(cfg.urls, launch=launched, backend="vllm", engines=cfg)
     routing = dict(router=cfg.router, router_log=logs / "router.log", weight_sync=cfg.weight_sync,
-                   failover=Failover.from_config(cfg))
+                   engines=cfg)
     if cfg.urls:
         return HttpPool(cfg.urls, **routing)  # type: ignore[arg-type]
     from ..devices import resolve_device

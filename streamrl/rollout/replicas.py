@@ -59,32 +59,17 @@ class Replica:
     lost: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-@dataclass
-class Failover:
-    """The settings (from `engines.*`)."""
-
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 5.0
-    control_timeout_s: float = 300.0
-    max_restarts: int = 3
-    all_lost_timeout_s: float = 120.0
-    enabled: bool = True  # False: no health checks, relaunch or rejoin (a router in front does its own)
-
-    @classmethod
-    def from_config(cls, cfg: EnginesConfig) -> Failover:
-        return cls(cfg.health_check_interval_s, cfg.health_check_timeout_s, cfg.control_timeout_s,
-                   cfg.max_restarts, cfg.all_lost_timeout_s, enabled=cfg.router is None)
-
-
 class Replicas:
-    """The pool's servers and their state. `make_client(url)` builds a client; `current()` is the
-    pool's (version, weights folder) or None; `paused()` whether the pool is paused now; `breaks_on_loss`:
-    a lost server ends the run (distributed weight sync)."""
+    """The pool's servers and their state, under `cfg`'s health_check_*, control_timeout_s,
+    max_restarts and all_lost_timeout_s. `make_client(url)` builds a client; `current()` is the pool's
+    (version, weights folder) or None; `paused()` whether the pool is paused now; `enabled` False: no
+    health checks, relaunch or rejoin (a router in front does its own); `breaks_on_loss`: a lost
+    server ends the run (distributed weight sync)."""
 
-    def __init__(self, settings: Failover, make_client: Callable[[str], Any],
-                 current: Callable[[], tuple[int, str] | None], paused: Callable[[], bool],
-                 breaks_on_loss: bool = False) -> None:
-        self.settings = settings
+    def __init__(self, cfg: EnginesConfig, make_client: Callable[[str], Any],
+                 current: Callable[[], tuple[int, str] | None], paused: Callable[[], bool], *,
+                 enabled: bool = True, breaks_on_loss: bool = False) -> None:
+        self.cfg, self.enabled = cfg, enabled
         self.make_client, self.current, self.paused = make_client, current, paused
         self.breaks_on_loss = breaks_on_loss
         self.all: list[Replica] = []
@@ -107,7 +92,7 @@ class Replicas:
         return [r for r in self.all if r.up]
 
     def start_monitor(self) -> None:
-        if self.settings.enabled and self._monitor is None:
+        if self.enabled and self._monitor is None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch(), name="http-pool-health")
 
     async def aclose(self) -> None:
@@ -131,7 +116,7 @@ class Replicas:
         if self.breaks_on_loss:
             self._fatal = EnginesLost(f"engine server {rep.url} was lost ({why}); weight_sync: distributed cannot "
                                       "go on without it (use weight_sync: disk to fail over)")
-        elif not self.settings.enabled:
+        elif not self.enabled:
             pass
         elif rep.server is not None:
             self._spawn(self._relaunch(rep))
@@ -139,9 +124,9 @@ class Replicas:
         self._changed.set()
 
     def _check_any_left(self) -> None:
-        hopeless = [r for r in self.all if not r.up and r.server is not None and r.restarts >= self.settings.max_restarts]
+        hopeless = [r for r in self.all if not r.up and r.server is not None and r.restarts >= self.cfg.max_restarts]
         if self.all and len(hopeless) == len(self.all) and self._fatal is None:
-            self._fatal = EnginesLost(f"every engine server was lost and relaunched {self.settings.max_restarts} "
+            self._fatal = EnginesLost(f"every engine server was lost and relaunched {self.cfg.max_restarts} "
                                       f"times; see their logs ({hopeless[-1].server.log_path.parent})")
 
     def _spawn(self, coro: Awaitable[None]) -> None:
@@ -153,7 +138,7 @@ class Replicas:
     async def pick(self, k: int = 1) -> Replica:
         """An up server, counted with `k` more requests (give them back with `done`); waits for one
         while none is up."""
-        deadline = time.monotonic() + self.settings.all_lost_timeout_s
+        deadline = time.monotonic() + self.cfg.all_lost_timeout_s
         while True:
             if self._fatal is not None:
                 raise self._fatal
@@ -161,8 +146,8 @@ class Replicas:
                 return self.all[self.route.pick(k)]
             self._changed.clear()
             left = deadline - time.monotonic()
-            if left <= 0 or not self.settings.enabled:
-                raise EnginesLost(f"no engine server has answered for {self.settings.all_lost_timeout_s:g} s "
+            if left <= 0 or not self.enabled:
+                raise EnginesLost(f"no engine server has answered for {self.cfg.all_lost_timeout_s:g} s "
                                   f"({', '.join(r.url for r in self.all)})")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
@@ -199,7 +184,7 @@ class Replicas:
 
         async def one(rep: Replica) -> Any:
             try:
-                return await self.on(rep, fn(rep.client), self.settings.control_timeout_s)
+                return await self.on(rep, fn(rep.client), self.cfg.control_timeout_s)
             except ReplicaLost:
                 return ReplicaLost
 
@@ -210,16 +195,15 @@ class Replicas:
 
     # ---- health, relaunch, rejoin ----------------------------------------------------------------
     async def _watch(self) -> None:
-        s = self.settings
         while True:
-            await asyncio.sleep(s.health_interval_s)
+            await asyncio.sleep(self.cfg.health_check_interval_s)
             await asyncio.gather(*[self._probe(r) for r in self.all], return_exceptions=True)
 
     async def _probe(self, rep: Replica) -> None:
         if not rep.up and rep.server is not None:
             return  # being relaunched
         try:
-            ok = await asyncio.wait_for(rep.client.health(), self.settings.health_timeout_s)
+            ok = await asyncio.wait_for(rep.client.health(), self.cfg.health_check_timeout_s)
         except TimeoutError:
             ok = False
         if rep.up:
@@ -232,7 +216,7 @@ class Replicas:
     async def _relaunch(self, rep: Replica) -> None:
         server = rep.server
         await server.stop(grace=0.5)  # SIGKILL soon: a frozen (SIGSTOPped) server never handles SIGTERM
-        while rep.restarts < self.settings.max_restarts:
+        while rep.restarts < self.cfg.max_restarts:
             await asyncio.sleep(min(2.0 ** rep.restarts, 30.0))
             rep.restarts += 1
             try:
@@ -251,7 +235,7 @@ class Replicas:
 
     async def _join(self, rep: Replica) -> bool:
         """Bring `rep` to the pool's weights and pause state, then into rotation. False if it failed."""
-        c, t = rep.client, self.settings.control_timeout_s
+        c, t = rep.client, self.cfg.control_timeout_s
         try:
             while True:
                 state = (self.current(), self.paused())
