@@ -11,12 +11,16 @@ the same draw in PyTorch.
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 
 from .sampling import SamplingBatch, sample, sample_counter
-from .scheduler import Plan
+from .scheduler import Plan, Request
+
+log = logging.getLogger("streamrl.engine")
 
 
 def execute(runner: Any, plan: Plan, shared_gen: torch.Generator, stream: Any = None) -> tuple[list[int], list[float]]:
@@ -46,3 +50,25 @@ def execute(runner: Any, plan: Plan, shared_gen: torch.Generator, stream: Any = 
             return runner.sample(logits, batch.temperatures, seeds, offsets)
         tokens, logps = sample_counter(logits, batch, seeds, offsets)
         return tokens.tolist(), logps.tolist()
+
+
+async def isolate(plan: Plan, error: Exception, step: Callable[[Plan], Awaitable[tuple[list[int], list[float]]]],
+                  abort: Callable[[Request, Exception], None]) -> tuple[Plan, list[int], list[float]]:
+    """After a failed step: each of its requests alone, as a prefill of its whole sequence (which
+    rewrites any KV the failed step left half-written and gives the same next token a decode
+    would). Only the requests that fail alone are aborted; the rest keep going."""
+    ok: list[Request] = []
+    tokens: list[int] = []
+    logps: list[float] = []
+    for r in plan.requests:
+        try:
+            t, lp = await step(Plan("prefill", [r]))
+        except Exception as e:  # noqa: BLE001 - this request's own failure
+            abort(r, e)
+            continue
+        ok.append(r)
+        tokens += t
+        logps += lp
+    if len(ok) == len(plan.requests) and len(ok) > 1:
+        log.warning("a step of %d requests failed (%s); each alone succeeded", len(ok), error)
+    return Plan(plan.kind, ok), tokens, logps

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import random
 import time
 import uuid
@@ -40,9 +39,7 @@ from .protocol import (
     finish_reason,
 )
 from .scheduler import Plan, Request, Scheduler
-from .step import execute
-
-log = logging.getLogger("streamrl.engine")
+from .step import execute, isolate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -245,7 +242,6 @@ class TorchEngine:
 
     # ---- the loop --------------------------------------------------------------------------------
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not self.scheduler.has_work():
                 self._wakeup.clear()
@@ -257,12 +253,9 @@ class TorchEngine:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    if self._inline:
-                        tokens, logps = self._execute(plan)
-                    else:
-                        tokens, logps = await loop.run_in_executor(self._executor, self._execute, plan)
+                    tokens, logps = await self._step(plan)
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
-                    plan, tokens, logps = await self._isolate(plan, e)
+                    plan, tokens, logps = await isolate(plan, e, self._step, self._abort_failed)
                     if not plan.requests:
                         continue
                 dt = time.perf_counter() - t0
@@ -275,29 +268,13 @@ class TorchEngine:
             if self._inline:
                 await asyncio.sleep(0)  # one step at a time: let HTTP, control calls and the trainer in
 
-    async def _isolate(self, plan: Plan, error: Exception) -> tuple[Plan, list[int], list[float]]:
-        """After a failed step: each of its requests alone, as a prefill of its whole sequence (which
-        rewrites any KV the failed step left half-written and gives the same next token a decode
-        would). Only the requests that fail alone are aborted; the rest keep going."""
-        ok: list[Request] = []
-        tokens: list[int] = []
-        logps: list[float] = []
-        for r in plan.requests:
-            alone = Plan("prefill", [r])
-            try:
-                if self._inline:
-                    t, lp = self._execute(alone)
-                else:
-                    t, lp = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, alone)
-            except Exception as e:  # noqa: BLE001 - this request's own failure
-                self._finish(r, finish_reason("abort", message=f"engine error: {e}"), error=e)
-                continue
-            ok.append(r)
-            tokens += t
-            logps += lp
-        if len(ok) == len(plan.requests) and len(ok) > 1:
-            log.warning("a step of %d requests failed (%s); each alone succeeded", len(ok), error)
-        return Plan(plan.kind, ok), tokens, logps
+    async def _step(self, plan: Plan) -> tuple[list[int], list[float]]:
+        if self._inline:
+            return self._execute(plan)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, plan)
+
+    def _abort_failed(self, r: Request, e: Exception) -> None:
+        self._finish(r, finish_reason("abort", message=f"engine error: {e}"), error=e)
 
     def _execute(self, plan: Plan) -> tuple[list[int], list[float]]:
         """Runs in the worker thread: tensors only, no engine state changes."""
@@ -438,7 +415,8 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         async with self._step_lock:
             await loop.run_in_executor(self._executor, self._load_tensors, tensors)
-            self._version = str(weight_version) if weight_version is not None else self._bump(self._version)
+            v = self._version  # no version given: the next number
+            self._version = str(weight_version) if weight_version is not None else str(int(v) + 1) if v.isdigit() else "1"
             if self.state is not EngineState.PAUSED_IN_PLACE:
                 self.scheduler.flush()
         self._wakeup.set()
@@ -451,10 +429,6 @@ class TorchEngine:
         except FileNotFoundError as e:
             raise EngineError(f"update_weights_from_disk: {e}") from None
         await self.update_weights_from_state_dict(tensors, weight_version)
-
-    @staticmethod
-    def _bump(version: str) -> str:
-        return str(int(version) + 1) if version.isdigit() else "1"
 
     def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.state is EngineState.RELEASED:
