@@ -1,4 +1,5 @@
-"""Loading user tasks: prompt files (JSONL, Parquet) and reward functions named ``"module:function"``.
+"""Loading user tasks: prompt files (JSONL, Parquet; verl's and slime's layouts through dotted keys)
+and reward functions named ``"module:function"`` or the built-in ``"math"``.
 
 This module owns the on-disk prompt formats and the reward-function lookup. It returns plain records
 ``{"prompt", "answer", "metadata"}`` and plain callables; it knows nothing about tokenizers, engines,
@@ -12,27 +13,88 @@ import importlib.util
 import inspect
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, DataConfig
 
+_MISSING = object()
+# Where verl and slime files keep the reference answer: named in the hint of a missing answer_key.
+_ANSWER_FIELDS = ("reward_model.ground_truth", "label", "answer", "ground_truth", "solution")
 
-def _normalise(rows: Iterable[dict[str, Any]], path: Path, prompt_key: str, answer_key: str) -> list[dict]:
+
+class DataKeyError(ValueError):
+    """A prompt file that lacks the field a `data.*_key` names; `key` is that config key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(message)
+
+
+def lookup(row: Any, key: str) -> Any:
+    """`row[key]`, where a dotted key walks nested objects (``reward_model.ground_truth``); a field
+    whose own name has the dots wins. `_MISSING` when it is not there."""
+    if not isinstance(row, dict):
+        return _MISSING
+    if key in row:
+        return row[key]
+    head, dot, rest = key.partition(".")
+    return lookup(row.get(head, _MISSING), rest) if dot and head in row else _MISSING
+
+
+def _fields(row: dict[str, Any], prefix: str = "") -> list[str]:
+    """A record's field paths, nested objects spelled as dotted keys, for error messages."""
+    out: list[str] = []
+    for k, v in row.items():
+        out += _fields(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+    return out
+
+
+def _field_list(row: dict[str, Any]) -> str:
+    fields = sorted(_fields(row))
+    return ", ".join(fields[:20]) + (f", ... ({len(fields)} in all)" if len(fields) > 20 else "")
+
+
+def _check_prompt(prompt: Any, path: Path, i: int, prompt_key: str) -> None:
+    # A prompt is text or a chat transcript (a list of {"role", "content"} messages), which the
+    # tokenizer's chat template renders; anything else would fail later inside that template.
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list):
+        raise DataKeyError("data.prompt_key", f"{path}: record {i} field {prompt_key!r} is a {type(prompt).__name__}, "
+                                              "expected text or a list of chat messages")
+    for m in prompt:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataKeyError("data.prompt_key", f"{path}: record {i} field {prompt_key!r} is a list whose items are "
+                                                  "not all chat messages {\"role\", \"content\"}")
+
+
+def _normalise(rows: list[Any], path: Path, prompt_key: str, answer_key: str,
+               require_answer: bool = False) -> list[dict]:
     records: list[dict] = []
+    any_answer = False
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ValueError(f"{path}: record {i} is a {type(row).__name__}, expected a JSON object")
-        if prompt_key not in row:
-            raise ValueError(f"{path}: record {i} has no {prompt_key!r} field (fields: {sorted(row)})")
-        prompt = row[prompt_key]
-        # A prompt is text or a chat transcript (a list of {"role", "content"} messages).
-        if not isinstance(prompt, str | list):
-            raise ValueError(f"{path}: record {i} field {prompt_key!r} is a {type(prompt).__name__}")
+        prompt = lookup(row, prompt_key)
+        if prompt is _MISSING:
+            raise DataKeyError("data.prompt_key", f"{path}: record {i} has no {prompt_key!r} field "
+                                                  f"(fields: {_field_list(row)})")
+        _check_prompt(prompt, path, i, prompt_key)
+        answer = lookup(row, answer_key)
+        any_answer = any_answer or answer is not _MISSING
+        # Every field stays (rewards and workflows read them); only the ones moved up are left out.
         metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-        records.append({"prompt": prompt, "answer": row.get(answer_key), "metadata": metadata})
+        record = {"prompt": prompt, "answer": None if answer is _MISSING else answer, "metadata": metadata}
+        if "data_source" in row:  # verl's name for a record's dataset: the key a mixed run's reward dispatches on
+            record["data_source"] = row["data_source"]
+        records.append(record)
+    if require_answer and records and not any_answer:  # a key no record has is a wrong key, not sparse data
+        hint = next((f"; did you mean {f!r}?" for f in _ANSWER_FIELDS if lookup(rows[0], f) is not _MISSING), "")
+        raise DataKeyError("data.answer_key", f"no record of {path} has the field {answer_key!r} "
+                                              f"(record 0 has: {_field_list(rows[0])}){hint}")
     return records
 
 
@@ -60,11 +122,15 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
-def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
-    """Read a prompt file into records ``{"prompt", "answer", "metadata"}``.
+def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer", *,
+                 require_answer: bool = False) -> list[dict]:
+    """Read a prompt file into records ``{"prompt", "answer", "metadata"}`` (and ``"data_source"``
+    when the row has one, as verl's files do).
 
-    ``.jsonl`` / ``.json`` (one object per line) and ``.parquet`` are read. ``answer`` is None when a
-    row has no ``answer_key``; every other field goes to ``metadata`` so reward functions can use it.
+    ``.jsonl`` / ``.json`` (one object per line) and ``.parquet`` (nested columns as dicts) are read.
+    A key may be dotted for a nested field (``reward_model.ground_truth``). ``answer`` is None when a
+    row has no ``answer_key`` (a DataKeyError when no row has it and `require_answer`); every other
+    field goes to ``metadata`` so reward functions can use it.
     """
     p = Path(path)
     if not p.is_file():
@@ -76,7 +142,7 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str =
         rows = _read_parquet(p)
     else:
         raise ValueError(f"{p}: unknown prompt file type {suffix!r}; expected .jsonl or .parquet")
-    return _normalise(rows, p, prompt_key, answer_key)
+    return _normalise(rows, p, prompt_key, answer_key, require_answer)
 
 
 def _import_module(module_name: str) -> Any:
@@ -143,11 +209,43 @@ class Task:
     held_out: list[dict[str, Any]]
     reward_fn: Callable[..., Any]
 
+    def __post_init__(self) -> None:
+        self._extras = _reward_extras(self.reward_fn)
+
+    def score(self, response: str, record: Mapping[str, Any]) -> Any:
+        """`reward_fn` on a response to `record` (a prompt record, or a group's copy of one): as
+        ``fn(response, answer)``, plus ``data_source=`` and ``metadata=`` for a function that names
+        them, or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``.
+        Returns what the function returns (an awaitable for an async one)."""
+        answer, extras = record.get("answer", ""), self._extras
+        if not extras:
+            return self.reward_fn(response, answer)
+        metadata = record.get("metadata") or {}
+        data_source = record.get("data_source", metadata.get("data_source"))
+        if "solution_str" in extras:
+            return self.reward_fn(data_source=data_source, solution_str=response, ground_truth=answer,
+                                  extra_info=metadata.get("extra_info"))
+        given = {"data_source": data_source, "metadata": metadata}
+        return self.reward_fn(response, answer, **{k: v for k, v in given.items() if k in extras})
+
+
+def _reward_extras(fn: Callable[..., Any]) -> frozenset[str]:
+    """The record fields a reward function asks for by parameter name, beyond (response, answer)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: the plain two-argument call
+        return frozenset()
+    if "solution_str" in params and "ground_truth" in params:
+        return frozenset({"solution_str"})
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return frozenset({"data_source", "metadata"})
+    return frozenset(params) & {"data_source", "metadata"}
+
 
 def load_task(cfg: DataConfig, *, seed: int = 0) -> Task:
     """The built-in task `data.task`, or the records of `data.path` (the first `eval_size` held out,
-    at most a fifth), scored by `data.reward` or the task's own exact match. A file or reward that
-    cannot be loaded is a ConfigError naming the key."""
+    at most a fifth), scored by `data.reward` (`math`: the built-in math-verify check) or the task's
+    own exact match. A file, key or reward that cannot be loaded is a ConfigError naming its key."""
     from . import addition
 
     reward: Callable[..., Any] = addition.reward
@@ -161,13 +259,21 @@ def load_task(cfg: DataConfig, *, seed: int = 0) -> Task:
         reward = multiply.reward
     else:
         assert cfg.path is not None  # validate() guarantees exactly one of task / path
+        # A key the user set, or an answer the math reward needs, must exist: a typo would score 0 forever.
+        need_answer = cfg.answer_key != "answer" or cfg.reward == "math"
         try:
-            records = load_prompts(cfg.path, cfg.prompt_key, cfg.answer_key)
+            records = load_prompts(cfg.path, cfg.prompt_key, cfg.answer_key, require_answer=need_answer)
+        except DataKeyError as e:
+            raise ConfigError(e.key, str(e)) from None
         except (OSError, ValueError) as e:
             raise ConfigError("data.path", str(e)) from None
         n_eval = min(cfg.eval_size, len(records) // 5)
         train, held = records[n_eval:], records[:n_eval]
-    if cfg.reward:
+    if cfg.reward == "math":
+        from .math_reward import math_reward
+
+        reward = math_reward
+    elif cfg.reward:
         try:
             reward = load_reward_fn(cfg.reward)
         except (ValueError, ImportError) as e:
