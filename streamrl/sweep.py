@@ -7,7 +7,9 @@ policy, partial resume against discard, the loss) in one command.
 Every point's config is built and validated before the first run starts, so a typo in the last
 value stops the sweep at once, not an hour in. Each run is a plain `streamrl run` into
 `OUT/<point>/` (metrics, summary, final weights); a run that fails is reported in its row and the
-sweep goes on. `OUT/sweep.json` holds every row, `OUT/sweep.png` the reward curves.
+sweep goes on. `OUT/sweep.json` holds every row, `OUT/sweep.png` the reward curves. With
+`logging.tensorboard: true` every point writes its event files to `OUT/tensorboard/<point>/`, so
+`tensorboard --logdir OUT/tensorboard` overlays the points' curves.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from .config import Config, ConfigError, load_config
 from .procs import EngineStartError
@@ -61,13 +65,20 @@ def point_name(point: dict[str, str]) -> str:
 
 
 def plan(config: str, grid: list[tuple[str, list[str]]], sets: Sequence[str], out: Path) -> list[tuple[str, dict, Config]]:
-    """Every point's name, values and validated config (its run_dir under `out`)."""
+    """Every point's name, values and validated config (its run_dir under `out`; with
+    `logging.tensorboard`, its event files in `out/tensorboard/<name>`, or `<tensorboard_dir>/<name>`
+    when the config sets one: one root, so the curves overlay)."""
     points = []
     for values in itertools.product(*(vals for _, vals in grid)):
         point = {k: v for (k, _), v in zip(grid, values, strict=True)}
         name = point_name(point)
         overrides = [*sets, *(f"{k}={v}" for k, v in point.items()), f"run_dir={out / name}"]
-        points.append((name, point, load_config(config, overrides)))
+        cfg = load_config(config, overrides)
+        lg = cfg.logging
+        if lg.tensorboard and "logging.tensorboard_dir" not in point:
+            root = Path(lg.tensorboard_dir) if lg.tensorboard_dir is not None else out / "tensorboard"
+            cfg = msgspec.structs.replace(cfg, logging=msgspec.structs.replace(lg, tensorboard_dir=str(root / name)))
+        points.append((name, point, cfg))
     return points
 
 
@@ -108,6 +119,11 @@ async def sweep(config: str, grids: Sequence[str], *, sets: Sequence[str] = (), 
     points = plan(config, grid, sets, out)  # every config checked before the first run
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"config": config, "grid": dict(grid), "sets": list(sets), "out": str(out), "points": []}
+    roots = {str(Path(c.logging.tensorboard_dir).parent) for _, _, c in points
+             if c.logging.tensorboard and c.logging.tensorboard_dir is not None}
+    if len(roots) == 1:  # the points' curves side by side, live
+        result["tensorboard"] = roots.pop()
+        log(f"sweep: curves with `tensorboard --logdir {result['tensorboard']}`")
     for i, (name, point, cfg) in enumerate(points, 1):
         log(f"sweep {i}/{len(points)}: {name}")
         row: dict[str, Any] = {"name": name, "values": point, "run_dir": cfg.run_dir}

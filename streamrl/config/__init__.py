@@ -18,6 +18,7 @@ from .schema import (
     ControllerConfig,
     DataConfig,
     EnginesConfig,
+    LoggingConfig,
     ModelConfig,
     RolloutConfig,
     ScheduleConfig,
@@ -29,7 +30,7 @@ from .validate import validate
 
 __all__ = [
     "DATA_SUFFIXES", "KNOWN_TASKS", "BufferConfig", "Config", "ConfigError", "ControllerConfig", "DataConfig",
-    "EnginesConfig", "ModelConfig", "RolloutConfig", "ScheduleConfig", "ToolsConfig",
+    "EnginesConfig", "LoggingConfig", "ModelConfig", "RolloutConfig", "ScheduleConfig", "ToolsConfig",
     "TrainerConfig", "WarmStartConfig", "config_from_dict",
     "describe_config", "dump_config", "load_config", "validate",
 ]
