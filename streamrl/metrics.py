@@ -1,6 +1,7 @@
 """`RUN_DIR/metrics.jsonl`: one row per trainer step, from the trainer's stats and the counters of the
 rollout side (manager, controller, buffer, pool), each as the difference since the previous row; and,
-with `save_samples`, every trained group in `RUN_DIR/samples.jsonl`.
+with `save_samples`, every trained group in `RUN_DIR/samples.jsonl`. Every row also goes to the
+sinks `logging.*` turns on (TensorBoard, wandb: streamrl/logging_sinks.py).
 
 The engines' busy time is read off the run loop's path: a server answers between two engine steps
 (a large prefill right after a weight update takes tens of ms), so each row uses the stats read when
@@ -17,12 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from .buffer import RolloutBuffer, StalenessController
+from .config import LoggingConfig
+from .logging_sinks import MetricSinks
 from .progress import RunProgress
 from .rollout import EnginePool, RolloutManager
 from .types import Group, encode_jsonl
 
 # engines.colocate: the engines' memory yielded around the step (streamrl/colocate.py).
 _COLOCATED = ("engine_release_s", "engine_restore_s", "engine_bytes_during_step")
+# Fields that measure time: the only ones two runs of a deterministic config may differ in.
+WALL_CLOCK_FIELDS = frozenset({"wall_s", "gen_tps", "engine_idle_frac", "engine_prefill_s", "trainer_wait_s",
+                               "train_s", "weight_sync_s", *_COLOCATED})
 
 
 async def _read_pool(pool: EnginePool) -> tuple[float, dict[str, Any]]:
@@ -31,15 +37,22 @@ async def _read_pool(pool: EnginePool) -> tuple[float, dict[str, Any]]:
 
 
 class StepMetrics:
-    def __init__(self, run_dir: Path, steps: int, *, manager: RolloutManager, controller: StalenessController,
-                 buffer: RolloutBuffer, pool: EnginePool, save_samples: bool = False, append: bool = False,
-                 progress: bool = False) -> None:
-        """`progress`: a live bar of the run's `steps` on the terminal, updated with every row."""
-        self.manager, self.controller, self.buffer, self.pool = manager, controller, buffer, pool
+    def __init__(self, run_dir: Path, steps: int, *, manager: RolloutManager, controller: StalenessController | None = None,
+                 buffer: RolloutBuffer | None = None, pool: EnginePool | None = None, save_samples: bool = False,
+                 append: bool = False, progress: bool = False, logging: LoggingConfig | None = None,
+                 run_config: Any = None) -> None:
+        """`controller`, `buffer`, `pool`: the manager's unless given. `progress`: a live bar of the run's
+        `steps` on the terminal, updated with every row. `logging`: the sinks every row goes to as well;
+        `run_config` (the run's Config, or a dict) is wandb's run config."""
+        self.manager = manager
+        self.controller = manager.controller if controller is None else controller
+        self.buffer = manager.buffer if buffer is None else buffer  # (an empty buffer is falsy)
+        self.pool = manager.pool if pool is None else pool
         self.bar = RunProgress(steps, enabled=progress)
         mode = "a" if append else "w"
         self._file = (run_dir / "metrics.jsonl").open(mode)
         self._samples = (run_dir / "samples.jsonl").open(mode + "b") if save_samples else None
+        self.sinks = MetricSinks(logging, run_dir, run_config)
         self._poll: asyncio.Task[tuple[float, dict[str, Any]]] | None = None
         self._turns: dict[str, float] = {}
         self._last: dict[str, float] = {}
@@ -54,11 +67,10 @@ class StepMetrics:
         self._last = {"t": self.t0, **self._counters(t_pool, ps)}
 
     def _counters(self, t_pool: float, ps: dict[str, Any]) -> dict[str, float]:
-        c, cs = self.manager.counters, self.controller.stats
-        return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0),
-                "tokens": c.tokens_generated, "discarded": c.tokens_discarded + cs.dropped_tokens,
-                "resumed": c.partial_resumed, "dropped": cs.dropped_stale, "tool_calls": c.tool_calls,
-                "tool_errors": c.tool_errors, "tool_s": c.tool_s, "prefix_mismatch": c.prefix_mismatch}
+        c = self.manager.counters
+        return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tool_calls": c.tool_calls,
+                "tool_errors": c.tool_errors, "tool_s": c.tool_s, "prefix_mismatch": c.prefix_mismatch,
+                **self.manager.rollout_counters()}
 
     async def write(self, step: int, stats: dict[str, Any], **extra: Any) -> dict[str, Any]:
         """The step's row (trainer `stats` plus `extra` fields), appended and flushed."""
@@ -66,6 +78,8 @@ class StepMetrics:
         self._poll = asyncio.create_task(_read_pool(self.pool))
         now = time.perf_counter()
         cur, last = self._counters(t_pool, ps), self._last
+        if self.manager.lockstep is not None:  # as they stood when the step's weights landed
+            cur |= self.manager.lockstep.landed_counters.pop(stats["version"])
         dt, dt_pool = now - last["t"], t_pool - last["t_pool"]
         tokens = cur["tokens"] - last["tokens"]
         row = {
@@ -78,6 +92,7 @@ class StepMetrics:
             "partial_resumed": cur["resumed"] - last["resumed"],
             "tokens_discarded": cur["discarded"] - last["discarded"],
             "dropped_stale": cur["dropped"] - last["dropped"],
+            "groups_filtered": cur["filtered"] - last["filtered"], "prompts_drawn": cur["drawn"] - last["drawn"],
             "engine_idle_frac": max(0.0, 1 - (cur["busy"] - last["busy"]) / (dt_pool * self.pool.num_replicas))
             if dt_pool > 0 else 0.0,
             # Engine seconds spent in prefill: prompts, plus partials recomputed after an update.
@@ -85,16 +100,20 @@ class StepMetrics:
             "trainer_wait_s": stats["trainer_wait_s"], "train_s": stats["train_s"],
             "batch_parts": stats["batch_parts"], "clip_frac": stats.get("clip_frac", 0.0),
             "grad_norm": stats["grad_norm"], "skipped_samples": stats["skipped_samples"],
-            "buffer_size": len(self.buffer), **extra,
+            "buffer_size": cur["buffer_size"], **extra,
             **{k: stats[k] for k in _COLOCATED if k in stats},
         }
         if self.manager.workflow is not None:  # multi-turn: the step's turns and the tools since the last row
             row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s", "prefix_mismatch")}
-        if self.controller.stats.decisions:
-            row["controller"] = self.controller.drain_decisions()[-5:]
+        decisions = cur.pop("decisions", None)
+        if decisions is None:
+            decisions = self.controller.drain_decisions()
+        if decisions:
+            row["controller"] = decisions[-5:]
         self._last = {"t": now, **cur}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        self.sinks.write(row)
         self.bar.update(step, row)
         return row
 
@@ -115,3 +134,4 @@ class StepMetrics:
         self._file.close()
         if self._samples is not None:
             self._samples.close()
+        self.sinks.close()

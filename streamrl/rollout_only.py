@@ -46,7 +46,8 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
     bg = cfg.schedule.batch_groups
     # The version never moves, so admission is bounded by the budget alone: a staleness bound of
     # ceil(groups / batch_groups) versions lets all of them start (still capped by max_concurrent_groups).
-    ctl = StalenessController(msgspec.structs.replace(cfg.controller, max_staleness=-(-groups // bg)),
+    # No trainer, no weight landings: nothing for controller.deterministic to order.
+    ctl = StalenessController(msgspec.structs.replace(cfg.controller, max_staleness=-(-groups // bg), deterministic=False),
                               batch_groups=bg, max_groups=groups)
     buffer = RolloutBuffer(BufferConfig(priority="fifo"))
     pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed)

@@ -88,8 +88,8 @@ async def build(cfg: Config, stack: AsyncExitStack, task: Task, model_dir: str, 
     if cfg.engines.urls or resume is not None:
         # user-run servers may hold other weights, a resumed run's engines need the checkpoint's version
         await pool.push_weights(trainer.weights(), trainer.version, pause=None)
-    metrics = StepMetrics(run_dir, sched.steps, manager=manager, controller=controller, buffer=buffer, pool=pool,
-                          save_samples=cfg.save_samples, append=resume is not None, progress=show_progress)
+    metrics = StepMetrics(run_dir, sched.steps, manager=manager, save_samples=cfg.save_samples, append=resume is not None,
+                          progress=show_progress, logging=cfg.logging, run_config=cfg)
     stack.push_async_callback(metrics.aclose)
     return Run(cfg, trainer, pool, controller, buffer, manager, metrics, base_model)
 
@@ -126,7 +126,7 @@ async def train_step(r: Run, push: asyncio.Task[None]) -> dict[str, Any]:
     """One optimizer step: the batch's parts go to the trainer as the controller lets them be trained
     (it computes while the rest still generates); the step itself waits for the last step's push."""
     t0, groups, parts = time.perf_counter(), [], 0
-    async for part in next_batch(r.buffer, r.controller, r.cfg.schedule.batch_groups):
+    async for part in next_batch(r.buffer, r.controller, r.cfg.schedule.batch_groups, whole=bool(r.manager.lockstep)):
         await r.trainer.accumulate(part)
         groups, parts = groups + part, parts + 1
     await push  # the optimizer must not write weights the push still reads
@@ -143,7 +143,7 @@ async def publish(r: Run, step: int, stats: dict[str, Any]) -> None:
     evaluating = bool(sched.eval_every) and step % sched.eval_every == 0
     extra: dict[str, Any] = {"weight_sync_s": 0.0}
     if step % sched.push_every == 0 or step == sched.steps or evaluating:
-        extra["weight_sync_s"] = await r.pool.push_weights(r.trainer.weights(), version, r.manager.pause_mode)
+        extra["weight_sync_s"] = await r.manager.push_weights(r.trainer.weights(), version)
         r.controller.set_version(version)  # admission goes on at the new version
     if evaluating:
         extra["eval_sampled"] = await r.manager.evaluate(temperature=r.cfg.rollout.temperature, seed=step)

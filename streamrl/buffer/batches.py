@@ -17,10 +17,18 @@ from .buffer import RolloutBuffer
 from .controller import StalenessController
 
 
-async def next_batch(buffer: RolloutBuffer, controller: StalenessController, size: int) -> AsyncIterator[list[Group]]:
+async def next_batch(buffer: RolloutBuffer, controller: StalenessController, size: int, *,
+                     whole: bool = False) -> AsyncIterator[list[Group]]:
     """Yield the next batch's `size` groups in parts, each as soon as the controller allows it: within
     max_staleness (or kept by policy), within the off-policy cap, oldest first. A group dropped on
-    the way frees its admission slot, so a fresh group replaces it."""
+    the way frees its admission slot, so a fresh group replaces it. `whole`: the next `size`
+    groups in the buffer's (FIFO) order, in one part: how they were split would change the step's
+    floating-point sums."""
+    if whole:  # controller.deterministic: the groups were judged and placed in their batch as they finished (`Lockstep`)
+        got = await buffer.get_batch(size)
+        controller.consumed(got)
+        yield got
+        return
     taken, offpolicy = 0, 0
     while taken < size:
         room = size - taken

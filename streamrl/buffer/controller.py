@@ -60,6 +60,7 @@ class StalenessController:
         self._inflight: Counter[int] = Counter()  # admitted version -> groups still generating
         self._pending: Counter[int] = Counter()  # admitted version -> groups admitted, not yet trained
         self._changed = Waiters()  # woken on every change that may let admission or a batch go on
+        self._offpolicy_placed: dict[int, int] = {}  # deterministic: trainer version -> off-policy groups placed
 
     # ---- admission -------------------------------------------------------------------------------
     def capacity(self) -> int:
@@ -225,6 +226,34 @@ class StalenessController:
                 self.stats.note(f"keep {g.group_id}: staleness {s} > {self.max_staleness}")
             kept.append(g)
         return kept, offp
+
+    def assign(self, group: Group, *, version: int) -> bool:
+        """`controller.deterministic`: judge a finished group now, for the batch the trainer will take
+        at `version`, by the rules `min_version` and `compose` apply at batch time in a free run (a
+        placed group is trained in that batch, so the answer cannot change). False: dropped, its
+        slot given back."""
+        stale = version - group.oldest_version()
+        if stale > self.max_staleness and self.cfg.stale_policy == "drop":
+            return self._drop(group, f"staleness {stale} > {self.max_staleness}")
+        if stale > 0:
+            allowed = math.floor(self.cfg.max_offpolicy_fraction * self.batch_groups + 1e-9)
+            if self._offpolicy_placed.get(version, 0) >= allowed:
+                self.stats.deferred_offpolicy += 1
+                return self._drop(group, f"off-policy fraction cap {self.cfg.max_offpolicy_fraction}")
+            self._offpolicy_placed[version] = self._offpolicy_placed.get(version, 0) + 1
+        if stale > self.max_staleness:
+            self.stats.kept_stale += 1
+            self.stats.note(f"keep {group.group_id}: staleness {stale} > {self.max_staleness}")
+        return True
+
+    def _drop(self, group: Group, why: str) -> bool:
+        self.stats.dropped_stale += 1
+        self.stats.dropped_tokens += group.num_tokens
+        self.stats.note(f"drop {group.group_id}: {why}")
+        self._forget(group.admitted_version)
+        self.returned += 1
+        self._changed.wake()
+        return False
 
     def drain_decisions(self) -> list[str]:
         out, self.stats.decisions = self.stats.decisions, []

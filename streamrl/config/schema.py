@@ -67,9 +67,18 @@ class WarmStartConfig(_Section):
 class DataConfig(_Section):
     task: Annotated[str | None, _d("built-in task name (exactly one of task / path)")] = "addition"
     path: Annotated[str | None, _d("JSONL / Parquet prompts file (exactly one of task / path)")] = None
-    prompt_key: Annotated[str, _d("record field holding the prompt", min_length=1)] = "prompt"
-    answer_key: Annotated[str, _d("record field holding the reference answer", min_length=1)] = "answer"
-    reward: Annotated[str | None, _d("reward function 'module:function'; null = the task's own")] = None
+    prompt_key: Annotated[str, _d(
+        "record field holding the prompt (text, or a chat-message list rendered by the chat template); "
+        "dotted for a nested field", min_length=1,
+    )] = "prompt"
+    answer_key: Annotated[str, _d(
+        "record field holding the reference answer; dotted for a nested field (verl: "
+        "reward_model.ground_truth, slime: label)", min_length=1,
+    )] = "answer"
+    reward: Annotated[str | None, _d(
+        "reward function 'module:function' or 'file.py:function', or 'math' (built-in math-verify check: "
+        "#### and \\boxed{} answers); null = the task's own"
+    )] = None
     eval_size: Annotated[int, _d("held-out prompts for evaluation", ge=0)] = 200
 
 
@@ -155,6 +164,14 @@ class RolloutConfig(_Section):
         "workflow(record, episode) (docs/agentic.md)", min_length=1,
     )] = "single_turn"
     max_turns: Annotated[int, _d("multi_turn_tools: model turns per sample at most", ge=1)] = 4
+    dynamic_sampling: Annotated[bool, _d(
+        "DAPO's dynamic sampling: a group whose rewards are all equal (no GRPO signal) is not trained; its "
+        "slot goes to a new prompt, so every batch holds schedule.batch_groups groups with signal"
+    )] = False
+    max_draws_per_batch: Annotated[int, _d(
+        "dynamic_sampling: the run stops with a message once this many times schedule.batch_groups "
+        "groups in a row carried no signal (the data is exhausted of signal for this policy)", ge=1,
+    )] = 8
 
 
 class ToolsConfig(_Section):
@@ -178,6 +195,12 @@ class ControllerConfig(_Section):
     max_concurrent_groups: Annotated[PosIntOrNone, _d("groups generating at once; null = admission alone decides")] = (
         None
     )
+    deterministic: Annotated[bool, _d(
+        "reproducible async runs (pool=local, one engine, single_turn): every scheduling decision follows "
+        "logical events, not wall time; a weight update lands when the batch after the one it was trained "
+        "on is complete (the engine waits if the trainer is late), so two runs of one config and seed give "
+        "the same metrics, samples and weights (docs/async.md)"
+    )] = False
 
 
 class BufferConfig(_Section):
@@ -239,6 +262,21 @@ class ScheduleConfig(_Section):
     )] = None
 
 
+class LoggingConfig(_Section):
+    tensorboard: Annotated[bool, _d(
+        "every numeric metrics.jsonl field as a TensorBoard scalar at its step, under tensorboard_dir"
+    )] = False
+    tensorboard_dir: Annotated[str | None, _d(
+        "folder of the TensorBoard event files; null = run_dir/tensorboard (`streamrl sweep` gives each point "
+        "SWEEP_DIR/tensorboard/<point>, so one `tensorboard --logdir SWEEP_DIR/tensorboard` overlays them)"
+    )] = None
+    wandb: Annotated[bool, _d("every row to Weights & Biases too (needs `pip install wandb`); see wandb_mode")] = False
+    wandb_project: Annotated[str, _d("the wandb project of the run", min_length=1)] = "streamrl"
+    wandb_mode: Annotated[Literal["offline", "online"], _d(
+        "offline: written under run_dir/wandb (upload later with `wandb sync`); online: streamed to the server"
+    )] = "offline"
+
+
 # Keys that moved or left: each is a one-line config error that says where it went.
 RENAMED = {
     "trainer.steps": "schedule.steps", "trainer.batch_groups": "schedule.batch_groups",
@@ -273,3 +311,4 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _sec(ScheduleConfig)
     )
     tools: Annotated[ToolsConfig, _d("tools of rollout.workflow: multi_turn_tools")] = _sec(ToolsConfig)
+    logging: Annotated[LoggingConfig, _d("where metrics go besides run_dir/metrics.jsonl")] = _sec(LoggingConfig)

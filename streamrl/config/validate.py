@@ -1,6 +1,7 @@
 """Cross-field rules that no single field can check."""
 
 import difflib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -36,8 +37,8 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             raise ConfigError("data.path", f"expected a {', '.join(DATA_SUFFIXES)} file, got '{d.path}'")
         if check_paths and not Path(d.path).is_file():
             raise ConfigError("data.path", f"file '{d.path}' does not exist")
-    if d.reward is not None and not _REWARD_RE.match(d.reward):
-        raise ConfigError("data.reward", f"expected 'module:function' or 'file.py:function', got '{d.reward}'")
+    if d.reward is not None and d.reward != "math" and not _REWARD_RE.match(d.reward):
+        raise ConfigError("data.reward", f"expected 'math', 'module:function' or 'file.py:function', got '{d.reward}'")
     wf = cfg.rollout.workflow
     if wf not in ("single_turn", "multi_turn_tools") and not _REWARD_RE.match(wf):
         raise ConfigError("rollout.workflow", f"expected single_turn, multi_turn_tools, 'module:function' or "
@@ -82,6 +83,10 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
     if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):
         raise ConfigError("engines.router", f"expected an http:// or https:// URL or 'launch', got '{e.router}'")
+    lg = cfg.logging  # the curve writers' packages: missing ones stop the run here, not after its first step
+    for key, on, module in (("logging.tensorboard", lg.tensorboard, "tensorboard"), ("logging.wandb", lg.wandb, "wandb")):
+        if on and importlib.util.find_spec(module) is None:
+            raise ConfigError(key, f"the {module} package is not installed (pip install {module}), or set {key}=false")
     if cfg.rollout.top_k == 0:
         raise ConfigError("rollout.top_k", "expected -1 (off) or >= 1, got 0")
     eta = cfg.controller.max_staleness
@@ -98,3 +103,29 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             "buffer.capacity",
             f"must be >= schedule.batch_groups ({cfg.schedule.batch_groups}) or no batch can fill, got {cap}",
         )
+    if cfg.rollout.dynamic_sampling and cfg.rollout.group_size < 2:
+        raise ConfigError("rollout.dynamic_sampling", "needs rollout.group_size >= 2 (a group of one has no variance)")
+    if cfg.controller.deterministic:
+        _check_deterministic(cfg)
+
+
+def _check_deterministic(cfg: Config) -> None:
+    """What a reproducible run needs: every input to an engine step decided by logical events."""
+    key = "controller.deterministic"
+    if cfg.engines.pool != "local" or cfg.engines.num_replicas != 1:
+        raise ConfigError(key, "needs engines.pool: local with engines.num_replicas: 1 (several engines, or engines "
+                               f"in other processes, step in wall-clock order); got pool '{cfg.engines.pool}' with "
+                               f"{cfg.engines.num_replicas} replica(s)")
+    if cfg.rollout.workflow != "single_turn":
+        raise ConfigError(key, "needs rollout.workflow: single_turn (tools run in wall-clock time)")
+    if cfg.rollout.partial not in ("resume", "discard"):
+        raise ConfigError(key, f"needs rollout.partial: resume or discard, got '{cfg.rollout.partial}'")
+    if cfg.schedule.eval_every:
+        raise ConfigError(key, "needs schedule.eval_every: 0 (an evaluation during the run shares engine steps with "
+                               "rollouts at wall-clock times); the evaluations before and after the run stay")
+    if cfg.schedule.push_every != 1:
+        raise ConfigError(key, f"needs schedule.push_every: 1, got {cfg.schedule.push_every}")
+    if cfg.schedule.resume_from is not None:
+        raise ConfigError(key, "a run continued from a checkpoint (schedule.resume_from) is not made reproducible")
+    if cfg.engines.colocate:
+        raise ConfigError(key, "not with engines.colocate")

@@ -32,6 +32,7 @@ class Request:
     sink: Any = None  # engine-owned delivery object (future / queue)
     generator: Any = None  # per-request torch.Generator when sampling_seed is set
     seed: int = 0  # the paged runner's counter-based noise: sampling_seed, or one drawn for the request
+    on_finish: Any = None  # called when it ends, before its sink hears (controller.deterministic)
 
     @property
     def reserved_tokens(self) -> int:
@@ -63,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # index == KV row
         self.paused = False
+        self.order_key: Any = None  # admit waiting requests in this order instead of arrival order
 
     @property
     def num_waiting(self) -> int:
@@ -106,6 +108,8 @@ class Scheduler:
         return -(-tokens // self.page_size) * self.page_size
 
     def _admit(self) -> list[Request]:
+        if self.order_key is not None and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self.order_key))
         reserved = sum(self.reservation(r.reserved_tokens) for r in self.running)
         admitted: list[Request] = []
         longest = 0

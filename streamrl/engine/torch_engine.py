@@ -109,6 +109,8 @@ class TorchEngine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._requests: dict[str, Request] = {}
+        # controller.deterministic: asked before every step, and told of each call's requests (rollout.Lockstep)
+        self.step_gate: Any = None
         self.state = EngineState.SERVING
         self._after_release = EngineState.SERVING  # where resume_memory returns to
         # prefill_*: first computation of a prompt, and recomputation of a resumed or flushed request's
@@ -214,6 +216,8 @@ class TorchEngine:
             raise EngineError("duplicate request id in a batch")
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future[dict[str, Any]]] = [loop.create_future() for _ in reqs]
+        if self.step_gate is not None and self.step_gate.active:
+            self.step_gate.caller_waits(reqs)
         for req, fut in zip(reqs, futs, strict=True):
             self._submit(req, fut)
         try:
@@ -243,6 +247,8 @@ class TorchEngine:
     # ---- the loop --------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
+            if self.step_gate is not None:
+                await self.step_gate.before_step(self)
             if not self.scheduler.has_work():
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -320,6 +326,8 @@ class TorchEngine:
         if r.finished:
             return
         r.finished = True
+        if r.on_finish is not None:
+            r.on_finish()
         if r.row is not None:
             self.runner.free_row(r.row)
         moved = self.scheduler.remove(r)

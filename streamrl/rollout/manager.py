@@ -20,6 +20,7 @@ The manager knows nothing about torch or the trainer: it sees token ids, logprob
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import json
 import random
@@ -36,6 +37,7 @@ from ..buffer import RolloutBuffer, StalenessController
 from ..config import ConfigError, RolloutConfig, ToolsConfig
 from ..types import Group, Sample
 from .episode import Episode, ToolGate
+from .lockstep import make_deterministic
 from .pools import EnginePool
 from .tools import ToolBox
 from .workflows import load_workflow
@@ -58,6 +60,8 @@ class RolloutCounters:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_s: float = 0.0  # seconds tools ran, summed over calls
+    groups_filtered: int = 0  # rollout.dynamic_sampling: groups with equal rewards, not trained
+    filtered_in_a_row: int = 0
     prefix_mismatch: int = 0  # OpenAI-endpoint calls whose history rendered unlike the tokens generated
 
 
@@ -92,7 +96,6 @@ class RolloutManager:
         self.tokenizer = tokenizer
         self.task = task
         self.prompts = task.train
-        self.reward_fn = task.reward_fn
         self.buffer = buffer
         self.controller = controller
         self.counters = RolloutCounters()
@@ -108,6 +111,9 @@ class RolloutManager:
         self.tool_gate = ToolGate()  # a checkpoint shuts it: no tool call half in a snapshot
         self._capture: CaptureServer | None = None  # the OpenAI-compatible endpoint, once a workflow asks
         self._capture_lock = asyncio.Lock()
+        self._seed = seed
+        # controller.deterministic: scheduling by logical events (lockstep.py)
+        self.lockstep = make_deterministic(self) if controller.cfg.deterministic else None
 
     async def capture(self) -> CaptureServer:
         """The OpenAI-compatible endpoint whose sessions are episodes, started on first use."""
@@ -184,6 +190,21 @@ class RolloutManager:
         engines."""
         return "abort" if self.cfg.partial in ("resume", "discard") else self.cfg.partial
 
+    async def push_weights(self, weights: Any, version: int) -> float:
+        """The trainer's weights to the engines, as `version`; returns seconds. In a deterministic run they
+        land at their logical point (`Lockstep.publish`), and this returns then."""
+        if self.lockstep is not None:
+            return await self.lockstep.publish(weights, version)
+        return await self.pool.push_weights(weights, version, self.pause_mode)
+
+    def rollout_counters(self) -> dict[str, Any]:
+        """What a metrics row reports of the rollout side, as differences between rows (a deterministic
+        run's rows read them when the step's weights land)."""
+        c, cs = self.counters, self.controller.stats
+        return {"tokens": c.tokens_generated, "discarded": c.tokens_discarded + cs.dropped_tokens,
+                "resumed": c.partial_resumed, "dropped": cs.dropped_stale, "filtered": c.groups_filtered,
+                "drawn": self.prompts_drawn, "buffer_size": len(self.buffer)}
+
     @property
     def num_partial(self) -> int:
         """Interrupted samples waiting for their next round."""
@@ -198,19 +219,35 @@ class RolloutManager:
                 for g in self._restored:
                     groups.create_task(self._run_group(g.meta, g.admitted_version, g))
                 self._restored = []
+                if self.lockstep is not None:
+                    self.lockstep.start()
                 while True:
                     version = await self.controller.acquire()
                     record = next(self._order)
                     self.prompts_drawn += 1
-                    groups.create_task(self._run_group(record, version))
+                    if self.lockstep is not None:
+                        self.lockstep.enter()  # the group's task runs until it waits for the engine
+                    groups.create_task(self._run_group(record, version, order=self.prompts_drawn))
         except* RolloutFailed as failed:
             raise failed.exceptions[0] from None
+        finally:
+            if self.lockstep is not None:
+                self.lockstep.stop()
 
-    async def _run_group(self, record: dict[str, Any], version: int, group: Group | None = None) -> None:
+    async def _run_group(self, record: dict[str, Any], version: int, group: Group | None = None,
+                         order: int = 0) -> None:
         """Generate, score and queue one group; `group`: one restored from a checkpoint, whose
-        unfinished samples continue from their tokens."""
+        unfinished samples continue from their tokens. `order`: its place in the prompt stream."""
+        try:
+            await self._group(record, version, group, order)
+        finally:
+            if self.lockstep is not None:
+                self.lockstep.leave()
+
+    async def _group(self, record: dict[str, Any], version: int, group: Group | None, order: int) -> None:
         if group is None:
-            gid = uuid.uuid4().hex[:12]
+            # Reproducible runs name groups by their place in the stream (their requests are admitted in id order).
+            gid = f"g{order}" if self.lockstep is not None else uuid.uuid4().hex[:12]
             prompt_ids = self.encode(record["prompt"])
             text = record["prompt"] if isinstance(record["prompt"], str) else self.tokenizer.decode(prompt_ids)
             samples = [
@@ -227,7 +264,7 @@ class RolloutManager:
             else:
                 await asyncio.gather(*[self._run_episode(s, record) for s in group.samples
                                        if s.status not in ("completed", "truncated")])
-            await self._score(group.samples)
+            await self._score(group.samples, group.meta)
         except (asyncio.CancelledError, RolloutFailed):  # RolloutFailed: the pool has no engine left
             self.controller.release(version, returned=True)
             raise
@@ -237,14 +274,38 @@ class RolloutManager:
             return
         finally:
             self._generating.pop(group.group_id, None)
-        for s in group.samples:
-            s.timings["group_s"] = time.monotonic() - t0
+        if self.lockstep is None:  # a reproducible run's samples hold nothing of wall time
+            for s in group.samples:
+                s.timings["group_s"] = time.monotonic() - t0
         c = self.counters
         c.groups_done += 1
         c.failed_in_a_row = 0
         c.samples_done += len(group.samples)
-        await self.buffer.put(group)
+        if self.cfg.dynamic_sampling and self._filtered(group):
+            self.controller.release(version, returned=True)  # its slot goes to a fresh prompt
+            return
+        if self.lockstep is not None:
+            self.lockstep.finished(order, group)
+        else:
+            await self.buffer.put(group)
         self.controller.release(version)
+
+    def _filtered(self, group: Group) -> bool:
+        """Dynamic sampling: equal rewards carry no GRPO signal. Raises RolloutFailed once
+        `max_draws_per_batch` batches' worth of groups in a row had none."""
+        c, rewards = self.counters, {s.reward for s in group.samples}
+        if len(rewards) > 1:
+            c.filtered_in_a_row = 0
+            return False
+        c.groups_filtered += 1
+        c.filtered_in_a_row += 1
+        limit = self.cfg.max_draws_per_batch * self.controller.batch_groups
+        if c.filtered_in_a_row >= limit:
+            raise RolloutFailed(
+                f"dynamic sampling: the last {c.filtered_in_a_row} groups all had equal rewards (the last: "
+                f"{rewards.pop()}); the data holds no signal for this policy (raise rollout.max_draws_per_batch, "
+                f"now {self.cfg.max_draws_per_batch}, or turn rollout.dynamic_sampling off)")
+        return True
 
     def _count_failure(self, e: Exception) -> None:
         c = self.counters
@@ -268,16 +329,19 @@ class RolloutManager:
         s.finish_reason = last.finish if last is not None else "length"
         s.status = "completed" if s.finish_reason == "stop" else "truncated"
 
-    def take_seed(self) -> int:
+    def take_seed(self, rid: str | None = None) -> int:
+        if self.lockstep is not None and rid is not None:  # a function of the request, not of when it asks
+            return int.from_bytes(hashlib.blake2b(f"{self._seed}:{rid}".encode(), digest_size=8).digest()) >> 1
         self._next_seed += 1
         return self._next_seed - 1
 
     def sampling_params(self, max_new_tokens: int, stop: list[str] | None = None,
-                        seed: int | None = None) -> dict[str, Any]:
-        """One request's sampling parameters, with `seed` or the next sampling seed."""
+                        seed: int | None = None, rid: str | None = None) -> dict[str, Any]:
+        """One request's sampling parameters, with `seed` or the next sampling seed (of `rid`, in a
+        deterministic run)."""
         cfg = self.cfg
         params = {"max_new_tokens": max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                  "top_k": cfg.top_k, "sampling_seed": self.take_seed() if seed is None else seed}
+                  "top_k": cfg.top_k, "sampling_seed": self.take_seed(rid) if seed is None else seed}
         if stop:
             params["stop"] = stop
         return params
@@ -299,8 +363,8 @@ class RolloutManager:
                 continue
             pending.append(s)
         while pending:
-            params = [self.sampling_params(cfg.max_new_tokens - s.num_tokens) for s in pending]
             rids = [f"{s.group_id}-{s.index}-{s.num_resumes}" for s in pending]
+            params = [self.sampling_params(cfg.max_new_tokens - s.num_tokens, rid=r) for s, r in zip(pending, rids, strict=True)]
             results = await self.pool.generate_many([s.prompt_ids + s.response_ids for s in pending], params, rids)
             interrupted = []
             for s, res in zip(pending, results, strict=True):
@@ -337,13 +401,13 @@ class RolloutManager:
         self.counters.tokens_generated += len(ids)
         return len(spans)
 
-    async def _score(self, samples: list[Sample]) -> None:
+    async def _score(self, samples: list[Sample], record: dict[str, Any]) -> None:
         """Each sample's reward; async rewards (a remote judge) are awaited together."""
         pending = []
         for s in samples:
             # Multi-turn samples keep their special tokens: tool tags read as written.
             s.response_text = self.tokenizer.decode(s.response_ids, skip_special_tokens=not s.turns)
-            r = self.reward_fn(s.response_text, s.meta.get("answer", ""))
+            r = self.task.score(s.response_text, record)
             if inspect.isawaitable(r):
                 pending.append((s, r))
             else:
@@ -372,7 +436,7 @@ class RolloutManager:
                 await self.workflow(r, Episode(self, s, r, sampling={"temperature": temperature, "sampling_seed": seed + i}))
                 text = self.tokenizer.decode(s.response_ids, skip_special_tokens=False)
             try:
-                out = self.reward_fn(text, r.get("answer", ""))
+                out = self.task.score(text, r)
                 return float(await out) if inspect.isawaitable(out) else float(out)
             except Exception as e:  # noqa: BLE001 - a user's reward function: say so in one line
                 raise RolloutFailed(f"held-out evaluation: the reward function raised {type(e).__name__}: {e}") from e
