@@ -192,12 +192,7 @@ class StalenessController:
     def dropped(self, group: Group) -> None:
         """The buffer dropped a group `accept` turned away: count it, and give its admission slot back
         so a fresh group replaces it for the batch it was meant for."""
-        self.stats.dropped_stale += 1
-        self.stats.dropped_tokens += group.num_tokens
-        self.stats.note(f"drop {group.group_id}: staleness {self.staleness(group)} > {self.max_staleness}")
-        self._forget(group.admitted_version)
-        self.returned += 1
-        self._changed.wake()
+        self._drop(group, f"staleness {self.staleness(group)} > {self.max_staleness}")
 
     def compose(self, groups: list[Group], *, offpolicy_taken: int = 0) -> tuple[list[Group], int]:
         """Keep at most floor(max_offpolicy_fraction * batch_groups) off-policy groups in a batch.

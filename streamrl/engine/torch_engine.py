@@ -109,8 +109,7 @@ class TorchEngine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._requests: dict[str, Request] = {}
-        # controller.deterministic: asked before every step, and told of each call's requests (rollout.Lockstep)
-        self.step_gate: Any = None
+        self.step_gate: Any = None  # controller.deterministic: asked before every step (rollout.Lockstep)
         self.state = EngineState.SERVING
         self._after_release = EngineState.SERVING  # where resume_memory returns to
         # prefill_*: first computation of a prompt, and recomputation of a resumed or flushed request's
@@ -348,9 +347,8 @@ class TorchEngine:
                 r.version_spans and r.version_spans[0]["version"] != self._version) else None,
             e2e_latency=time.monotonic() - r.created,
         )
-        if isinstance(r.sink, asyncio.Future):
-            if not r.sink.done():
-                r.sink.set_result(result)
+        if isinstance(r.sink, asyncio.Future) and not r.sink.done():
+            r.sink.set_result(result)
         elif isinstance(r.sink, asyncio.Queue):
             r.sink.put_nowait(
                 GenerateChunk(rid=r.rid, token_ids=[], logprobs=[], weight_version=self._version,
