@@ -132,6 +132,20 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     result: dict[str, Any] | None = None
 
 
+def check_prompt(input_ids: Any, sp: SamplingParams, vocab_size: int, context_len: int) -> None:
+    """A request's prompt: token ids in the vocabulary, and room for it and its new tokens."""
+    if not isinstance(input_ids, list) or not input_ids:
+        raise EngineError("input_ids must be a non-empty list of token ids")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in input_ids):
+        bad = next(t for t in input_ids if not (isinstance(t, int) and 0 <= t < vocab_size))
+        raise EngineError(f"input_ids: token {bad!r} is outside the vocabulary [0, {vocab_size})")
+    n = len(input_ids)
+    if n >= context_len:
+        raise EngineError(f"prompt has {n} tokens; the model's context is {context_len}")
+    if n + sp.max_new_tokens > context_len:
+        raise EngineError(f"prompt ({n}) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length {context_len}")
+
+
 def extend_version_spans(spans: list[dict[str, Any]], version: str, end: int, n: int) -> None:
     """Record that the `n` tokens ending at `end` came from `version` (SGLang's `weight_versions`)."""
     if spans and spans[-1]["version"] == version:

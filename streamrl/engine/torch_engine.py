@@ -4,8 +4,9 @@ Data path of one request: `generate()` validates it and queues a `Request` → t
 `Scheduler` for a plan (prefill new requests, or decode every running one) → `step.execute` runs it on
 the runner (`ModelRunner`'s per-slot KV on CPU, `gpu.PagedRunner`'s paged KV and CUDA graphs on a GPU)
 and samples, in a worker thread (so the asyncio loop keeps serving HTTP and control calls) → the loop
-appends the tokens, checks stop conditions and delivers chunks / the final SGLang-shaped result. Control operations (abort, pause, weight updates, memory release) take the step lock, so they
-apply atomically *between* steps.
+appends the tokens, checks stop conditions and delivers chunks / the final SGLang-shaped result.
+Control operations (abort, pause, weight updates, memory release) take the step lock, so they apply
+atomically *between* steps.
 
 The engine knows nothing about Ray, HTTP, rewards or training.
 """
@@ -35,6 +36,7 @@ from .protocol import (
     PauseMode,
     SamplingParams,
     build_result,
+    check_prompt,
     extend_version_spans,
     finish_reason,
 )
@@ -157,19 +159,8 @@ class TorchEngine:
         sp.validate(self.vocab_size)
         if sp.top_k >= self.vocab_size:  # the whole vocabulary (and no int overflow in the sampler)
             sp = msgspec.structs.replace(sp, top_k=-1)
-        if not isinstance(input_ids, list) or not input_ids:
-            raise EngineError("input_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
-            bad = next(t for t in input_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
-            raise EngineError(f"input_ids: token {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        check_prompt(input_ids, sp, self.vocab_size, self.context_len)
         n = len(input_ids)
-        if n >= self.context_len:
-            raise EngineError(f"prompt has {n} tokens; the model's context is {self.context_len}")
-        if n + sp.max_new_tokens > self.context_len:
-            raise EngineError(
-                f"prompt ({n}) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "
-                f"{self.context_len}"
-            )
         if sp.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer; use stop_token_ids")
         rid = rid or uuid.uuid4().hex
