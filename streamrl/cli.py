@@ -142,8 +142,25 @@ def _print_rollout_summary(s: dict) -> None:
         t.add_row("tokens masked out of the loss", f"{s['masked_token_frac']:.1%}")
     if s["failed_groups"]:
         t.add_row("failed groups (retried)", str(s["failed_groups"]))
+        t.add_row("the last failure", str(s.get("last_error")))
     Console().print(t)
+    if s.get("judged_examples"):
+        j = Table(title="the judge's verdicts (first samples)")
+        for col in ("prompt", "response", "judge's text", "score"):
+            j.add_column(col, justify="right" if col == "score" else "left")
+        for e in s["judged_examples"]:
+            v = e["judge"]
+            j.add_row(e["prompt"], repr(e["response"]), repr(v.get("text", v.get("error"))),
+                      "failed" if "error" in v else f"{v['score']:g}")
+        Console().print(j)
+    if s.get("judge"):
+        print(_judge_line(s["judge"]))
     print(f"samples: {s['out']}")
+
+
+def _judge_line(j: dict) -> str:
+    return (f"judge: {j['calls']} calls, {j['failures']} failed, {j['retries']} retried; {j['calls_per_s']:.1f} "
+            f"judgments/s, {j['tokens_per_s']:.0f} tokens/s, {j['latency_mean_s'] * 1000:.0f} ms per judgment")
 
 
 def _run_async(coro):  # noqa: ANN001, ANN202
@@ -187,7 +204,13 @@ def _print_summary(s: dict) -> None:
     t.add_column("after RL")
     for k in ("greedy", "sampled"):
         t.add_row(f"held-out accuracy ({k})", f"{s['eval_before'][k]:.3f}", f"{s['eval_after'][k]:.3f}")
+    for k in ("greedy", "sampled"):  # data.eval_reward against the training reward (a judge against exact match)
+        if f"agreement_{k}" in s["eval_after"]:
+            t.add_row(f"training reward agrees with eval_reward ({k})", f"{s['eval_before'][f'agreement_{k}']:.3f}",
+                      f"{s['eval_after'][f'agreement_{k}']:.3f}")
     Console().print(t)
+    if s.get("judge"):
+        print(_judge_line(s["judge"]))
     print(
         f"{s['steps']} steps, {s['samples']} samples in {s['train_wall_s']:.1f} s of training "
         f"({s['total_wall_s']:.1f} s total); metrics: {s['run_dir']}/metrics.jsonl; weights: {s['final_model']}"

@@ -28,7 +28,7 @@ from .types import Group, encode_jsonl
 _COLOCATED = ("engine_release_s", "engine_restore_s", "engine_bytes_during_step")
 # Fields that measure time: the only ones two runs of a deterministic config may differ in.
 WALL_CLOCK_FIELDS = frozenset({"wall_s", "gen_tps", "engine_idle_frac", "engine_prefill_s", "trainer_wait_s",
-                               "train_s", "weight_sync_s", *_COLOCATED})
+                               "train_s", "weight_sync_s", "judge_s", *_COLOCATED})
 
 
 async def _read_pool(pool: EnginePool) -> tuple[float, dict[str, Any]]:
@@ -55,6 +55,7 @@ class StepMetrics:
         self.sinks = MetricSinks(logging, run_dir, run_config)
         self._poll: asyncio.Task[tuple[float, dict[str, Any]]] | None = None
         self._turns: dict[str, float] = {}
+        self._judge_s = 0.0
         self._last: dict[str, float] = {}
         self.t0 = time.perf_counter()
 
@@ -67,9 +68,10 @@ class StepMetrics:
         self._last = {"t": self.t0, **self._counters(t_pool, ps)}
 
     def _counters(self, t_pool: float, ps: dict[str, Any]) -> dict[str, float]:
-        c = self.manager.counters
+        c, judge = self.manager.counters, self.manager.task.judge
         return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tool_calls": c.tool_calls,
                 "tool_errors": c.tool_errors, "tool_s": c.tool_s, "prefix_mismatch": c.prefix_mismatch,
+                **({"judge_calls": judge.counters.calls, "judge_failures": judge.counters.failures} if judge else {}),
                 **self.manager.rollout_counters()}
 
     async def write(self, step: int, stats: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -105,6 +107,8 @@ class StepMetrics:
         }
         if self.manager.workflow is not None:  # multi-turn: the step's turns and the tools since the last row
             row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s", "prefix_mismatch")}
+        if self.manager.task.judge is not None:  # judge_s: per trained group, the wait for its judgments
+            row |= {"judge_s": self._judge_s} | {k: cur[k] - last[k] for k in ("judge_calls", "judge_failures")}
         decisions = cur.pop("decisions", None)
         if decisions is None:
             decisions = self.controller.drain_decisions()
@@ -123,6 +127,8 @@ class StepMetrics:
             self._samples.write(encode_jsonl(groups))
         samples = [s for g in groups for s in g.samples]
         tokens = sum(s.num_tokens for s in samples)
+        waits = [g.samples[0].timings.get("judge_s", 0.0) for g in groups if g.samples]
+        self._judge_s = sum(waits) / len(waits) if waits else 0.0
         self._turns = {"turns_mean": sum(t.kind == "model" for s in samples for t in s.turns) / max(len(samples), 1),
                        "masked_token_frac": sum(s.num_tokens - sum(s.loss_mask) for s in samples) / max(tokens, 1)}
 

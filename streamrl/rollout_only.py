@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 from collections import Counter
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .buffer import RolloutBuffer, StalenessController
 from .config import BufferConfig, Config, dump_config
+from .judge import open_judge
 from .rollout import RolloutManager, build_pool, preflight
 from .tasks import load_task, prepare_model
 from .types import Group, encode_jsonl
@@ -37,7 +39,7 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
         raise ValueError(f"groups must be >= 1, got {groups}")
     from transformers import AutoTokenizer
 
-    task = load_task(cfg.data, seed=cfg.seed)  # first: a bad dataset or reward spec stops before any work
+    task = load_task(cfg.data, seed=cfg.seed, judge=cfg.judge.enabled)  # first: a bad dataset or reward stops here
     preflight(cfg)
     run_dir = Path(cfg.run_dir)
     dump_config(cfg, run_dir / "config.yaml")
@@ -56,7 +58,9 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
                              tools=cfg.tools)
     manager.check_context(model_dir)
     done: list[Group] = []
-    async with pool:
+    async with AsyncExitStack() as stack:
+        judge = await open_judge(cfg, stack, task, log=log)  # judge.enabled: its engines, before the policy's
+        await stack.enter_async_context(pool)
         t0 = time.perf_counter()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -77,7 +81,10 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
             await manager.aclose()
         wall = time.perf_counter() - t0
     summary = {"run_dir": str(run_dir), "model_dir": model_dir, "out": str(out), "wall_s": wall,
-               "failed_groups": manager.counters.failed, **summarize(done, wall)}
+               "failed_groups": manager.counters.failed, "last_error": manager.counters.last_error,
+               **summarize(done, wall)}
+    if judge is not None:
+        summary["judge"] = judge.summary()
     (run_dir / "rollout_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -102,8 +109,15 @@ def summarize(groups: list[Group], wall_s: float) -> dict[str, Any]:
         "finish_reasons": dict(Counter(s.finish_reason or "none" for s in samples)),
         "samples_per_s": len(samples) / wall_s if wall_s > 0 else 0.0,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
-        **_turn_stats(samples),
+        **_turn_stats(samples), **_judge_examples(samples),
     }
+
+
+def _judge_examples(samples: list, n: int = 8) -> dict[str, Any]:
+    """With a judge: a few samples as the judge saw them (response, its text, its score)."""
+    judged = [s for s in samples if s.meta.get("judge")]
+    return {"judged_examples": [{"prompt": s.prompt_text, "response": s.response_text, "reward": s.reward,
+                                 "judge": s.meta["judge"][-1]} for s in judged[:n]]} if judged else {}
 
 
 def _turn_stats(samples: list) -> dict[str, Any]:

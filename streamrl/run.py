@@ -22,6 +22,7 @@ from .buffer import RolloutBuffer, StalenessController, next_batch
 from .checkpoint import Resume, load_resume, save_checkpoint
 from .colocate import TrainerHandle, colocated
 from .config import Config, dump_config
+from .judge import open_judge
 from .metrics import StepMetrics
 from .plot import plot_run
 from .procs import quiet_gc
@@ -45,23 +46,23 @@ class Run:
 
 
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
-    task = load_task(cfg.data, seed=cfg.seed)  # a bad dataset or reward stops here, before any work,
-    preflight(cfg)  # as does a workflow, tool or engine install that will not load,
+    task = load_task(cfg.data, seed=cfg.seed, judge=cfg.judge.enabled)  # a bad dataset or reward stops here,
+    preflight(cfg)  # before any work, as does a workflow, tool or engine install that will not load,
     resume = load_resume(cfg)  # and a checkpoint that cannot continue this config
-    run_dir = Path(cfg.run_dir)
+    t_start, run_dir = time.perf_counter(), Path(cfg.run_dir)
     dump_config(cfg, run_dir / "config.yaml")
-    t_start = time.perf_counter()
     if resume is None:
         model_dir, warm = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, task=cfg.data.task, log=log)
         base_model, summary = model_dir, {"run_dir": str(run_dir), "model_dir": model_dir, "warm_start": warm}
     else:  # the checkpoint's policy, for engines and trainer alike; no warm start
         model_dir, base_model, summary = resume.start(run_dir, log)
     async with AsyncExitStack() as stack:  # torn down in reverse: metrics files, engines, trainer
+        judge = await open_judge(cfg, stack, task, log=log)  # judge.enabled: its own engines, first up, last down
         r = await build(cfg, stack, task, model_dir, base_model, resume, show_progress)
-        if resume is not None:
-            summary["resumed_from"] = resume.restore(r.buffer, r.controller, r.manager)
+        summary |= {"resumed_from": resume.restore(r.buffer, r.controller, r.manager)} if resume else {}
         summary |= await train(r, log=log)
-        summary["final_model"] = str(await r.trainer.save(run_dir / "final"))
+        summary |= {"final_model": str(await r.trainer.save(run_dir / "final"))}
+        summary |= {"judge": judge.summary()} if judge else {}
     summary |= {"total_wall_s": time.perf_counter() - t_start, "plot": plot_run(run_dir, log)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
@@ -95,8 +96,7 @@ async def build(cfg: Config, stack: AsyncExitStack, task: Task, model_dir: str, 
 
 
 async def train(r: Run, *, log: Any) -> dict[str, Any]:
-    sched = r.cfg.schedule
-    before = await r.manager.evaluate_held_out()
+    sched, before = r.cfg.schedule, await r.manager.evaluate_held_out()
     log(f"held-out accuracy before RL: greedy {before['greedy']:.3f}, sampled {before['sampled']:.3f}")
     await r.metrics.start()
     quiet_gc()  # before the loop: startup's objects leave the collector's walks

@@ -109,7 +109,7 @@ def test_data_path(tmp_path: Path) -> None:
         ),
         (
             ["data.reward=not_a_spec"],
-            "config error: data.reward: expected 'math', 'module:function' or 'file.py:function', got 'not_a_spec'",
+            "config error: data.reward: expected 'math', 'judge', 'module:function' or 'file.py:function', got 'not_a_spec'",
         ),
         (
             ["engines.pool=http", "engines.router=http://127.0.0.1:1"],

@@ -18,6 +18,7 @@ from .schema import (
     ControllerConfig,
     DataConfig,
     EnginesConfig,
+    JudgeConfig,
     LoggingConfig,
     ModelConfig,
     RolloutConfig,
@@ -30,7 +31,7 @@ from .validate import validate
 
 __all__ = [
     "DATA_SUFFIXES", "KNOWN_TASKS", "BufferConfig", "Config", "ConfigError", "ControllerConfig", "DataConfig",
-    "EnginesConfig", "LoggingConfig", "ModelConfig", "RolloutConfig", "ScheduleConfig", "ToolsConfig",
+    "EnginesConfig", "JudgeConfig", "LoggingConfig", "ModelConfig", "RolloutConfig", "ScheduleConfig", "ToolsConfig",
     "TrainerConfig", "WarmStartConfig", "config_from_dict",
     "describe_config", "dump_config", "load_config", "validate",
 ]

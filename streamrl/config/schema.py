@@ -8,6 +8,7 @@ from msgspec import Meta
 
 KNOWN_TASKS = ("addition", "multiply")  # built-in tasks (streamrl.tasks); kept here so config never imports them
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+JUDGE_TEMPLATE_FIELDS = ("prompt", "response", "answer", "metadata", "data_source")  # judge.prompt_template's
 
 
 class ConfigError(ValueError):
@@ -77,9 +78,13 @@ class DataConfig(_Section):
     )] = "answer"
     reward: Annotated[str | None, _d(
         "reward function 'module:function' or 'file.py:function', or 'math' (built-in math-verify check: "
-        "#### and \\boxed{} answers); null = the task's own"
+        "#### and \\boxed{} answers), or 'judge' (the judge's score, judge.*); null = the task's own"
     )] = None
     eval_size: Annotated[int, _d("held-out prompts for evaluation", ge=0)] = 200
+    eval_reward: Annotated[str | None, _d(
+        "reward of the held-out evaluation, as data.reward (or 'task': the built-in task's exact match); null = "
+        "data.reward. Where it differs, evaluations also report how often the two rewards agree"
+    )] = None
 
 
 class EnginesConfig(_Section):
@@ -186,6 +191,38 @@ class ToolsConfig(_Section):
     call_close: Annotated[str, _d("text that closes a tool call (generation stops there)", min_length=1)] = "</tool>"
     result_open: Annotated[str, _d("text before a tool's observation (masked out of the loss)")] = "<result>"
     result_close: Annotated[str, _d("text after a tool's observation (masked out of the loss)")] = "</result>"
+
+
+class JudgeConfig(_Section):
+    enabled: Annotated[bool, _d(
+        "a judge model on its own engines, for data.reward: judge or a reward function taking `judge` (never "
+        "paused, updated or aborted by training)"
+    )] = False
+    model: Annotated[ModelConfig, _d("the judge model")] = msgspec.field(
+        default_factory=lambda: ModelConfig(path=".cache/streamrl/tiny-judge", init="tiny_agent"))
+    warm_start: Annotated[WarmStartConfig, _d(
+        "the judge's own offline training (the built-in recipe grades data.task: addition), cached like the policy's"
+    )] = msgspec.field(default_factory=lambda: WarmStartConfig(steps=1500, lr=2e-3, label_noise=0.0))
+    engines: Annotated[EnginesConfig, _d("the judge's engines and their pool (local, http, or http with backend vllm)")] = (
+        _sec(EnginesConfig)
+    )
+    prompt_template: Annotated[str, _d(
+        "the judge's prompt, with {prompt} {response} {answer} {data_source} {metadata[KEY]} of the record", min_length=1,
+    )] = "Question: {prompt}\nAnswer: {response}\nIs the answer correct? Reply yes or no.\n"
+    chat: Annotated[bool, _d("render the prompt as one user message through the judge tokenizer's chat template")] = False
+    parse: Annotated[str, _d(
+        "judge text -> score: yes_no (the last word: yes 1.0 / no 0.0), number (the last number), or "
+        "'module:function' called as fn(text, logprobs), sync or async"
+    )] = "yes_no"
+    max_new_tokens: Annotated[int, _d("the judge's token budget per judgment", ge=1)] = 16
+    temperature: Annotated[float, _d("the judge's sampling temperature; 0 = greedy", ge=0)] = 0.0
+    top_p: Annotated[float, _d("the judge's nucleus sampling mass", gt=0, le=1)] = 1.0
+    top_k: Annotated[int, _d("the judge's top-k; -1 = off", ge=-1)] = -1
+    stop: Annotated[list[str], _d("strings that end the judge's text")] = msgspec.field(default_factory=list)
+    timeout_s: Annotated[float, _d("seconds one try of a judgment may take", gt=0)] = 60.0
+    retries: Annotated[int, _d(
+        "tries after a failed one (timeout, aborted request, unparsable text); then the group fails", ge=0,
+    )] = 2
 
 
 class ControllerConfig(_Section):
@@ -312,3 +349,4 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     )
     tools: Annotated[ToolsConfig, _d("tools of rollout.workflow: multi_turn_tools")] = _sec(ToolsConfig)
     logging: Annotated[LoggingConfig, _d("where metrics go besides run_dir/metrics.jsonl")] = _sec(LoggingConfig)
+    judge: Annotated[JudgeConfig, _d("a reward model served by its own engines (the judge service)")] = _sec(JudgeConfig)

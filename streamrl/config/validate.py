@@ -3,9 +3,10 @@
 import difflib
 import importlib.util
 import re
+import string
 from pathlib import Path
 
-from .schema import DATA_SUFFIXES, KNOWN_TASKS, Config, ConfigError
+from .schema import DATA_SUFFIXES, JUDGE_TEMPLATE_FIELDS, KNOWN_TASKS, Config, ConfigError, EnginesConfig
 
 _REWARD_RE = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_][\w.]*$")  # module:fn or file.py:fn
 _URL_RE = re.compile(r"^https?://[^\s/]+")
@@ -37,8 +38,9 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             raise ConfigError("data.path", f"expected a {', '.join(DATA_SUFFIXES)} file, got '{d.path}'")
         if check_paths and not Path(d.path).is_file():
             raise ConfigError("data.path", f"file '{d.path}' does not exist")
-    if d.reward is not None and d.reward != "math" and not _REWARD_RE.match(d.reward):
-        raise ConfigError("data.reward", f"expected 'math', 'module:function' or 'file.py:function', got '{d.reward}'")
+    if d.reward is not None and d.reward not in ("math", "judge") and not _REWARD_RE.match(d.reward):
+        raise ConfigError("data.reward", f"expected 'math', 'judge', 'module:function' or 'file.py:function', got "
+                                         f"'{d.reward}'")
     wf = cfg.rollout.workflow
     if wf not in ("single_turn", "multi_turn_tools") and not _REWARD_RE.match(wf):
         raise ConfigError("rollout.workflow", f"expected single_turn, multi_turn_tools, 'module:function' or "
@@ -52,18 +54,8 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             "engines.max_total_tokens",
             f"must be >= rollout.max_new_tokens ({cfg.rollout.max_new_tokens}), got {e.max_total_tokens}",
         )
-    if e.pool == "http" and e.router and e.router != "launch" and not e.urls:
-        raise ConfigError("engines.urls", "a router needs the worker URLs too (control calls go to every worker)")
-    for i, url in enumerate(e.urls):
-        if not _URL_RE.match(url):
-            raise ConfigError(f"engines.urls[{i}]", f"expected an http:// or https:// URL, got '{url}'")
+    _check_pool(e, "engines")
     if e.backend == "vllm":
-        if e.pool != "http":
-            raise ConfigError("engines.backend", f"vllm servers need engines.pool: http, got pool '{e.pool}'")
-        if e.router is not None:
-            raise ConfigError("engines.router", "sglang-router does not front vLLM servers; set engines.router=null")
-        if e.weight_sync != "disk":
-            raise ConfigError("engines.weight_sync", "vLLM servers on CPU reload weights from disk only; use disk")
         if cfg.rollout.partial in ("retract", "in_place"):
             # vLLM has no retract, and a run keeping requests across a vLLM reload is not tested here.
             raise ConfigError("rollout.partial", f"'{cfg.rollout.partial}' needs the streamrl engine or SGLang; "
@@ -71,18 +63,11 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         if 0 < cfg.rollout.temperature < 0.01:
             raise ConfigError("rollout.temperature", "vLLM samples at >= 0.01 (it raises smaller values); "
                                                      f"use 0 (greedy) or >= 0.01, got {cfg.rollout.temperature}")
-    if e.colocate and e.pool != "local":
-        raise ConfigError("engines.colocate", f"colocated engines run in this process: needs engines.pool: local, got '{e.pool}'")
     if e.colocate and cfg.schedule.push_every != 1:
         # The engines are paused through every step anyway, and the push after it is what resumes them.
         raise ConfigError("schedule.push_every", f"colocated engines take the weights after every step: needs 1, "
                                                  f"got {cfg.schedule.push_every}")
-    if e.colocate_offload_weights and not e.colocate:
-        raise ConfigError("engines.colocate_offload_weights", "only with engines.colocate: true")
-    if e.engine == "sglang" and e.pool != "ray_serve":
-        raise ConfigError("engines.engine", f"sglang replicas need engines.pool: ray_serve, got pool '{e.pool}'")
-    if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):
-        raise ConfigError("engines.router", f"expected an http:// or https:// URL or 'launch', got '{e.router}'")
+    _check_judge(cfg)
     lg = cfg.logging  # the curve writers' packages: missing ones stop the run here, not after its first step
     for key, on, module in (("logging.tensorboard", lg.tensorboard, "tensorboard"), ("logging.wandb", lg.wandb, "wandb")):
         if on and importlib.util.find_spec(module) is None:
@@ -129,3 +114,72 @@ def _check_deterministic(cfg: Config) -> None:
         raise ConfigError(key, "a run continued from a checkpoint (schedule.resume_from) is not made reproducible")
     if cfg.engines.colocate:
         raise ConfigError(key, "not with engines.colocate")
+
+
+def template_fields(template: str) -> list[str]:
+    """The record fields a `judge.prompt_template` names (ValueError for a malformed one)."""
+    return [f.split(".")[0].split("[")[0] for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+
+
+def _check_pool(e: EnginesConfig, key: str) -> None:
+    """The rules of an engines section (`engines`, `judge.engines`) on their own."""
+    if e.pool == "http" and e.router and e.router != "launch" and not e.urls:
+        raise ConfigError(f"{key}.urls", "a router needs the worker URLs too (control calls go to every worker)")
+    for i, url in enumerate(e.urls):
+        if not _URL_RE.match(url):
+            raise ConfigError(f"{key}.urls[{i}]", f"expected an http:// or https:// URL, got '{url}'")
+    if e.backend == "vllm":
+        if e.pool != "http":
+            raise ConfigError(f"{key}.backend", f"vllm servers need {key}.pool: http, got pool '{e.pool}'")
+        if e.router is not None:
+            raise ConfigError(f"{key}.router", f"sglang-router does not front vLLM servers; set {key}.router=null")
+        if e.weight_sync != "disk":
+            raise ConfigError(f"{key}.weight_sync", "vLLM servers on CPU reload weights from disk only; use disk")
+    if e.colocate and e.pool != "local":
+        raise ConfigError(f"{key}.colocate", f"colocated engines run in this process: needs {key}.pool: local, got "
+                                             f"'{e.pool}'")
+    if e.colocate_offload_weights and not e.colocate:
+        raise ConfigError(f"{key}.colocate_offload_weights", f"only with {key}.colocate: true")
+    if e.engine == "sglang" and e.pool != "ray_serve":
+        raise ConfigError(f"{key}.engine", f"sglang replicas need {key}.pool: ray_serve, got pool '{e.pool}'")
+    if e.router is not None and e.router != "launch" and not _URL_RE.match(e.router):
+        raise ConfigError(f"{key}.router", f"expected an http:// or https:// URL or 'launch', got '{e.router}'")
+
+
+def _check_judge(cfg: Config) -> None:
+    j, d = cfg.judge, cfg.data
+    for key, spec in (("data.reward", d.reward), ("data.eval_reward", d.eval_reward)):
+        if spec == "judge" and not j.enabled:
+            raise ConfigError(key, "'judge' needs a judge: set judge.enabled: true (and judge.model.*)")
+    if d.eval_reward is not None and d.eval_reward not in ("math", "judge", "task") and not _REWARD_RE.match(d.eval_reward):
+        raise ConfigError("data.eval_reward", f"expected 'task', 'math', 'judge', 'module:function' or "
+                                              f"'file.py:function', got '{d.eval_reward}'")
+    if not j.enabled:
+        return
+    _check_pool(j.engines, "judge.engines")
+    if j.engines.pool == "ray_serve":  # one Ray cluster per run, which the policy's pool owns and shuts down
+        raise ConfigError("judge.engines.pool", "the judge serves from local or http (streamrl serve / vLLM) engines, "
+                                                "not ray_serve")
+    if j.engines.colocate:
+        raise ConfigError("judge.engines.colocate", "the judge's engines are never paused for training; leave it false")
+    if j.engines.backend == "vllm" and 0 < j.temperature < 0.01:
+        raise ConfigError("judge.temperature", f"vLLM samples at >= 0.01; use 0 (greedy) or >= 0.01, got {j.temperature}")
+    if j.top_k == 0:
+        raise ConfigError("judge.top_k", "expected -1 (off) or >= 1, got 0")
+    try:
+        fields = template_fields(j.prompt_template)
+    except ValueError as e:
+        raise ConfigError("judge.prompt_template", f"not a valid template: {e}") from None
+    unknown = [f for f in fields if f not in JUDGE_TEMPLATE_FIELDS]
+    if unknown or not fields:
+        raise ConfigError("judge.prompt_template", f"unknown field {{{unknown[0]}}} (fields: {', '.join(JUDGE_TEMPLATE_FIELDS)})"
+                          if unknown else "names no field; it needs at least {response}")
+    if j.parse not in ("yes_no", "number") and not _REWARD_RE.match(j.parse):
+        raise ConfigError("judge.parse", f"expected yes_no, number, 'module:function' or 'file.py:function', got '{j.parse}'")
+    if j.warm_start.enabled and d.task != "addition":
+        raise ConfigError("judge.warm_start.enabled", "the built-in judge warm start grades data.task: addition; "
+                                                      f"bring a trained judge (judge.model.path) for {d.task or d.path}")
+    if j.warm_start.enabled and j.model.init == "tiny":
+        raise ConfigError("judge.model.init", "the judge writes y / n, which the plain tiny vocabulary lacks: use tiny_agent")
+    if cfg.controller.deterministic:
+        raise ConfigError("controller.deterministic", "not with a judge (judge.enabled): its answers come in wall-clock order")

@@ -35,8 +35,10 @@ import msgspec
 
 from ..buffer import RolloutBuffer, StalenessController
 from ..config import ConfigError, RolloutConfig, ToolsConfig
+from ..judge import recording
 from ..types import Group, Sample
 from .episode import Episode, ToolGate
+from .evaluation import evaluate_agreement
 from .lockstep import make_deterministic
 from .pools import EnginePool
 from .tools import ToolBox
@@ -402,11 +404,23 @@ class RolloutManager:
         return len(spans)
 
     async def _score(self, samples: list[Sample], record: dict[str, Any]) -> None:
-        """Each sample's reward; async rewards (a remote judge) are awaited together."""
+        """Each sample's reward; async rewards (a judge) are awaited together. With a judge, each sample
+        records its judgments (`meta["judge"]`) and the time its group waited for them (`judge_s`)."""
+        for s in samples:  # multi-turn samples keep their special tokens: tool tags read as written
+            s.response_text = self.tokenizer.decode(s.response_ids, skip_special_tokens=not s.turns)
+        if self.task.judge is not None:
+            t0 = time.monotonic()
+
+            async def judged(s: Sample) -> float:
+                with recording(s.meta.setdefault("judge", [])):  # this task's judgments go on `s`
+                    r = self.task.score(s.response_text, record)
+                    return await r if inspect.isawaitable(r) else r
+
+            for s, r in zip(samples, await asyncio.gather(*[judged(s) for s in samples]), strict=True):
+                s.reward, s.timings["judge_s"] = float(r), time.monotonic() - t0
+            return
         pending = []
         for s in samples:
-            # Multi-turn samples keep their special tokens: tool tags read as written.
-            s.response_text = self.tokenizer.decode(s.response_ids, skip_special_tokens=not s.turns)
             r = self.task.score(s.response_text, record)
             if inspect.isawaitable(r):
                 pending.append((s, r))
@@ -419,34 +433,26 @@ class RolloutManager:
     # ---- evaluation ------------------------------------------------------------------------------
     async def evaluate(self, *, temperature: float, seed: int = 12345, records: list[dict[str, Any]] | None = None,
                        ) -> float:
-        """Mean reward of one response per held-out record (default: the task's), through the engines
-        (not the trainer): what a user of the weights would see. NaN without records."""
-        records = self.task.held_out if records is None else records
-        if not records:
-            return float("nan")
+        """Mean reward (`data.eval_reward`'s) of one response per held-out record (default: the task's),
+        through the engines (not the trainer): what a user of the weights would see. NaN without records."""
+        return (await self.evaluate_agreement(temperature=temperature, seed=seed, records=records))[0]
 
-        async def one(i: int, r: dict[str, Any]) -> float:
-            params = {"max_new_tokens": self.cfg.max_new_tokens, "temperature": temperature, "sampling_seed": seed + i}
-            rid = f"eval-{seed}-{i}-{time.monotonic_ns()}"
-            if self.workflow is None:
-                res = await self.pool.generate(self.encode(r["prompt"]), params, rid)
-                text = self.decode(res["output_ids"])
-            else:  # every turn of the workflow, the tools included
-                s = Sample(group_id=rid, prompt_ids=self.encode(r["prompt"]), meta={"answer": r.get("answer", "")})
-                await self.workflow(r, Episode(self, s, r, sampling={"temperature": temperature, "sampling_seed": seed + i}))
-                text = self.tokenizer.decode(s.response_ids, skip_special_tokens=False)
-            try:
-                out = self.task.score(text, r)
-                return float(await out) if inspect.isawaitable(out) else float(out)
-            except Exception as e:  # noqa: BLE001 - a user's reward function: say so in one line
-                raise RolloutFailed(f"held-out evaluation: the reward function raised {type(e).__name__}: {e}") from e
-
-        scores = await asyncio.gather(*[one(i, r) for i, r in enumerate(records)])
-        return sum(scores) / len(scores)
+    async def evaluate_agreement(self, *, temperature: float, seed: int = 12345,
+                                 records: list[dict[str, Any]] | None = None) -> tuple[float, float | None]:
+        """`evaluate`'s mean, and where the evaluation's reward is not the training reward (a judge
+        checked against exact match) how often the two agree (evaluation.py)."""
+        return await evaluate_agreement(self, temperature=temperature, seed=seed, records=records)
 
     async def evaluate_held_out(self) -> dict[str, float]:
-        """Held-out accuracy, greedy and at the rollout temperature."""
-        return {"greedy": await self.evaluate(temperature=0.0), "sampled": await self.evaluate(temperature=self.cfg.temperature)}
+        """Held-out accuracy, greedy and at the rollout temperature (and the rewards' agreement, where
+        the evaluation has its own reward)."""
+        out: dict[str, float] = {}
+        for name, temperature in (("greedy", 0.0), ("sampled", self.cfg.temperature)):
+            score, agreement = await self.evaluate_agreement(temperature=temperature)
+            out[name] = score
+            if agreement is not None:
+                out[f"agreement_{name}"] = agreement
+        return out
 
 
 _groups_encoder = msgspec.msgpack.Encoder()

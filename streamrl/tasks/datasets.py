@@ -203,30 +203,44 @@ def is_async_reward(fn: Callable[..., Any]) -> bool:
 
 @dataclass
 class Task:
-    """What a run trains and evaluates on: prompt records and the reward that scores a response."""
+    """What a run trains and evaluates on: prompt records, the reward that scores a response, and the
+    held-out evaluation's reward (`eval_fn`; None = `reward_fn`)."""
 
     train: list[dict[str, Any]]
     held_out: list[dict[str, Any]]
     reward_fn: Callable[..., Any]
+    eval_fn: Callable[..., Any] | None = None
+    judge: Any = None  # the judge client (streamrl.judge), given to rewards that take `judge`
 
     def __post_init__(self) -> None:
-        self._extras = _reward_extras(self.reward_fn)
+        self._extras = {id(f): _reward_extras(f) for f in (self.reward_fn, self.eval_fn) if f is not None}
+
+    @property
+    def needs_judge(self) -> bool:
+        return any("judge" in e for e in self._extras.values())
 
     def score(self, response: str, record: Mapping[str, Any]) -> Any:
         """`reward_fn` on a response to `record` (a prompt record, or a group's copy of one): as
-        ``fn(response, answer)``, plus ``data_source=`` and ``metadata=`` for a function that names
-        them, or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``.
-        Returns what the function returns (an awaitable for an async one)."""
-        answer, extras = record.get("answer", ""), self._extras
+        ``fn(response, answer)``, plus ``data_source=``, ``metadata=``, ``record=`` and ``judge=`` for a
+        function that names them, or verl's ``compute_score(data_source, solution_str, ground_truth,
+        extra_info)``. Returns what the function returns (an awaitable for an async one)."""
+        return self._call(self.reward_fn, response, record)
+
+    def score_eval(self, response: str, record: Mapping[str, Any]) -> Any:
+        """The held-out evaluation's reward (`eval_fn`, else `reward_fn`), called as `score` calls."""
+        return self._call(self.eval_fn or self.reward_fn, response, record)
+
+    def _call(self, fn: Callable[..., Any], response: str, record: Mapping[str, Any]) -> Any:
+        answer, extras = record.get("answer", ""), self._extras[id(fn)]
         if not extras:
-            return self.reward_fn(response, answer)
+            return fn(response, answer)
         metadata = record.get("metadata") or {}
         data_source = record.get("data_source", metadata.get("data_source"))
         if "solution_str" in extras:
-            return self.reward_fn(data_source=data_source, solution_str=response, ground_truth=answer,
-                                  extra_info=metadata.get("extra_info"))
-        given = {"data_source": data_source, "metadata": metadata}
-        return self.reward_fn(response, answer, **{k: v for k, v in given.items() if k in extras})
+            return fn(data_source=data_source, solution_str=response, ground_truth=answer,
+                      extra_info=metadata.get("extra_info"))
+        given = {"data_source": data_source, "metadata": metadata, "record": record, "judge": self.judge}
+        return fn(response, answer, **{k: v for k, v in given.items() if k in extras})
 
 
 def _reward_extras(fn: Callable[..., Any]) -> frozenset[str]:
@@ -237,15 +251,37 @@ def _reward_extras(fn: Callable[..., Any]) -> frozenset[str]:
         return frozenset()
     if "solution_str" in params and "ground_truth" in params:
         return frozenset({"solution_str"})
+    named = frozenset(params) & {"data_source", "metadata", "record", "judge"}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return frozenset({"data_source", "metadata"})
-    return frozenset(params) & {"data_source", "metadata"}
+        return named | {"data_source", "metadata"}
+    return named
 
 
-def load_task(cfg: DataConfig, *, seed: int = 0) -> Task:
+def _reward(spec: str | None, default: Callable[..., Any], key: str) -> Callable[..., Any]:
+    """The reward `spec` names (data.reward / data.eval_reward): `math`, `judge`, `module:function`;
+    None or `task`: `default`, the task's own."""
+    if spec in (None, "task"):
+        return default
+    if spec == "math":
+        from .math_reward import math_reward
+
+        return math_reward
+    if spec == "judge":
+        from ..judge import judge_reward
+
+        return judge_reward
+    try:
+        return load_reward_fn(spec)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(key, str(e)) from None
+
+
+def load_task(cfg: DataConfig, *, seed: int = 0, judge: bool = False) -> Task:
     """The built-in task `data.task`, or the records of `data.path` (the first `eval_size` held out,
     at most a fifth), scored by `data.reward` (`math`: the built-in math-verify check) or the task's
-    own exact match. A file, key or reward that cannot be loaded is a ConfigError naming its key."""
+    own exact match (`data.eval_reward` likewise for the held-out evaluation). `judge`: whether a judge
+    will be given to rewards that take one. A file, key or reward that cannot be loaded is a ConfigError
+    naming its key."""
     from . import addition
 
     reward: Callable[..., Any] = addition.reward
@@ -260,7 +296,7 @@ def load_task(cfg: DataConfig, *, seed: int = 0) -> Task:
     else:
         assert cfg.path is not None  # validate() guarantees exactly one of task / path
         # A key the user set, or an answer the math reward needs, must exist: a typo would score 0 forever.
-        need_answer = cfg.answer_key != "answer" or cfg.reward == "math"
+        need_answer = cfg.answer_key != "answer" or "math" in (cfg.reward, cfg.eval_reward)
         try:
             records = load_prompts(cfg.path, cfg.prompt_key, cfg.answer_key, require_answer=need_answer)
         except DataKeyError as e:
@@ -269,13 +305,10 @@ def load_task(cfg: DataConfig, *, seed: int = 0) -> Task:
             raise ConfigError("data.path", str(e)) from None
         n_eval = min(cfg.eval_size, len(records) // 5)
         train, held = records[n_eval:], records[:n_eval]
-    if cfg.reward == "math":
-        from .math_reward import math_reward
-
-        reward = math_reward
-    elif cfg.reward:
-        try:
-            reward = load_reward_fn(cfg.reward)
-        except (ValueError, ImportError) as e:
-            raise ConfigError("data.reward", str(e)) from None
-    return Task(train=train, held_out=held[: cfg.eval_size], reward_fn=reward)
+    train_fn = _reward(cfg.reward, reward, "data.reward")
+    eval_fn = None if cfg.eval_reward is None else _reward(cfg.eval_reward, reward, "data.eval_reward")
+    task = Task(train=train, held_out=held[: cfg.eval_size], reward_fn=train_fn, eval_fn=eval_fn)
+    if task.needs_judge and not judge:
+        key = "data.reward" if "judge" in task._extras[id(train_fn)] else "data.eval_reward"
+        raise ConfigError(key, "the reward takes a `judge` argument: set judge.enabled: true (and judge.model.*)")
+    return task

@@ -280,6 +280,10 @@ def _recipe(task: str) -> Callable[..., dict[str, Any]]:
         from .multiply import warm_start as multiply_warm_start
 
         return multiply_warm_start
+    if task == "addition_judge":
+        from .addition_judge import warm_start as judge_warm_start
+
+        return judge_warm_start
     return warm_start
 
 
@@ -331,7 +335,7 @@ def load_warm_start_metrics(folder: str | Path) -> dict[str, Any]:
 def prepare_model(model: ModelConfig, warm: WarmStartConfig, *, seed: int, task: str | None = None,
                   log: Any = print) -> tuple[str, dict[str, Any]]:
     """The policy's starting folder: the tiny model built if `model.init` asks and it is missing, then
-    the (cached) warm start of `task` (`multiply`; else addition's) if enabled. Returns (folder,
+    the (cached) warm start of `task` (`multiply`, `addition_judge`; else addition's) if enabled. Returns (folder,
     warm-start metrics)."""
     path = Path(model.path)
     if not (path / "config.json").is_file():
@@ -347,10 +351,10 @@ def prepare_model(model: ModelConfig, warm: WarmStartConfig, *, seed: int, task:
 
     recipe = dict(steps=warm.steps, batch_size=warm.batch_size, lr=warm.lr, label_noise=warm.label_noise, seed=seed,
                   device=resolve_device(warm.device))
-    which = "multiply" if task == "multiply" else "addition"
+    which = task if task in ("multiply", "addition_judge") else "addition"
     if warm.warmup_steps:
         if which != "addition":
-            raise ConfigError("warm_start.warmup_steps", "the multiply warm start has its own schedule; leave it 0")
+            raise ConfigError("warm_start.warmup_steps", f"the {which} warm start has its own schedule; leave it 0")
         recipe["warmup_steps"] = warm.warmup_steps
     target = Path(warm.cache_dir) / f"warm-{warm_start_key(path, which, **recipe)}"
     cached = (target / MARKER).is_file()

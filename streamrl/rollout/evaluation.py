@@ -1,0 +1,61 @@
+"""Held-out evaluation: one response per held-out record through the engines (not the trainer),
+scored by the evaluation's reward (`data.eval_reward`, else the training reward), and, where the two
+differ (a judge checked against exact match), how often they agree."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..judge import JudgeError
+from ..types import Sample
+from .episode import Episode
+
+if TYPE_CHECKING:
+    from .manager import RolloutManager
+
+
+async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int = 12345,
+                             records: list[dict[str, Any]] | None = None) -> tuple[float, float | None]:
+    """The mean evaluation reward over `records` (default: the task's held-out ones; NaN without any),
+    and the share of responses on which the evaluation and training rewards agree (both >= 0.5 or both
+    below; None where they are one reward). A response the judge fails on counts in neither."""
+    from .manager import RolloutFailed
+
+    records = m.task.held_out if records is None else records
+    if not records:
+        return float("nan"), None
+    compare = m.task.eval_fn is not None and m.task.eval_fn is not m.task.reward_fn
+
+    async def reward(score: Any, text: str, r: dict[str, Any]) -> float | None:
+        try:
+            out = score(text, r)
+            return float(await out) if inspect.isawaitable(out) else float(out)
+        except JudgeError:
+            return None  # counted by the judge; one judgment is no reason to stop the run
+        except Exception as e:  # noqa: BLE001 - a user's reward function: say so in one line
+            raise RolloutFailed(f"held-out evaluation: the reward function raised {type(e).__name__}: {e}") from e
+
+    async def one(i: int, r: dict[str, Any]) -> tuple[float | None, float | None]:
+        params = {"max_new_tokens": m.cfg.max_new_tokens, "temperature": temperature, "sampling_seed": seed + i}
+        rid = f"eval-{seed}-{i}-{time.monotonic_ns()}"
+        if m.workflow is None:
+            res = await m.pool.generate(m.encode(r["prompt"]), params, rid)
+            text = m.decode(res["output_ids"])
+        else:  # every turn of the workflow, the tools included
+            s = Sample(group_id=rid, prompt_ids=m.encode(r["prompt"]), meta={"answer": r.get("answer", "")})
+            await m.workflow(r, Episode(m, s, r, sampling={"temperature": temperature, "sampling_seed": seed + i}))
+            text = m.tokenizer.decode(s.response_ids, skip_special_tokens=False)
+        ev = await reward(m.task.score_eval, text, r)
+        return ev, (await reward(m.task.score, text, r) if compare else None)
+
+    pairs = await asyncio.gather(*[one(i, r) for i, r in enumerate(records)])
+    scores = [e for e, _ in pairs if e is not None]
+    if not scores:
+        raise RolloutFailed("held-out evaluation: the judge failed on every response (see judge_failures)")
+    both = [(e, t) for e, t in pairs if e is not None and t is not None]
+    agreement = sum((e >= 0.5) == (t >= 0.5) for e, t in both) / len(both) if both else None
+    return sum(scores) / len(scores), agreement
+
