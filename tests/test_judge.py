@@ -12,10 +12,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from helpers import REPO, STREAMRL
+from helpers import REPO, STREAMRL, processes_mentioning
 
 from streamrl.config import ConfigError, DataConfig, JudgeConfig, load_config
 from streamrl.engine import TorchEngine
+from streamrl.engine.vllm import find_vllm_python
 from streamrl.judge import Judge, JudgeError, build_judge, load_parser, number, recording, yes_no
 from streamrl.rollout import LocalPool
 from streamrl.tasks import addition, addition_judge, load_task
@@ -238,3 +239,33 @@ def test_a_judge_that_never_parses_stops_the_run_with_the_reason(tmp_path: Path)
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "groups in a row failed" in last, last
     assert "JudgeError: judge: ValueError: no verdict in " in last and "Traceback" not in p.stderr
+
+
+def _judge_pool_rollout(tmp_path: Path, *sets: str) -> dict:
+    p = _cli(tmp_path, "rollout", f"judge.parse={REWARDS}:judge_text_length", "judge.engines.pool=http", *sets,
+             groups=3)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "rollout_summary.json").read_text())
+    assert s["groups"] == 3 and s["failed_groups"] == 0
+    assert s["judge"]["calls"] == 12 and s["judge"]["failures"] == 0 and s["judge"]["tokens"] >= 12
+    for e in s["judged_examples"]:
+        assert e["reward"] == e["judge"]["score"] == len(e["judge"]["text"])
+    return s
+
+
+def test_a_judge_on_a_launched_streamrl_serve_server(tmp_path: Path) -> None:
+    """judge.engines.pool: http: the judge's own `streamrl serve` process, logging under run/judge/logs,
+    gone when the command ends."""
+    _judge_pool_rollout(tmp_path)
+    logs = list((tmp_path / "run" / "judge").rglob("*.log"))
+    assert logs, list((tmp_path / "run").rglob("*"))
+    assert not processes_mentioning(str(tmp_path / "judge").encode())
+
+
+PYTHON_VLLM = find_vllm_python()
+
+
+@pytest.mark.skipif(PYTHON_VLLM is None, reason="vLLM is not installed here: run bash scripts/setup_vllm.sh")
+def test_a_judge_on_a_real_vllm_server(tmp_path: Path) -> None:
+    _judge_pool_rollout(tmp_path, "judge.engines.backend=vllm")
+    assert not processes_mentioning(str(tmp_path / "judge").encode())
