@@ -2,12 +2,11 @@
 every sample scored by the tiny judge on its own engine) beside the same run scored by the exact-match
 rule, interleaved round by round in one process run.
 
-    python bench/judge.py [--rounds 1] [--steps N] [--config configs/judge_gpu.yaml] [--out F.json]
+    python bench/judge.py [--rounds 1] [--steps N] [--config CONFIG] [--out F.json]
 
-Both sides run the config (configs/judge.yaml; on a GPU configs/judge_gpu.yaml, judge and policy on
-one device) through the console script (one subprocess each, in the repository, so its caches are
-.cache/streamrl),
-on the same policy warm start and seed; the `rule` side sets `judge.enabled=false data.reward=null`.
+Both sides run the config (configs/judge.yaml, or another with a judge) through the console script
+(one subprocess each, in the repository, so its caches are .cache/streamrl), on the same policy warm
+start and seed; the `rule` side sets `judge.enabled=false data.reward=null`.
 Reported per side: RL wall time, samples/s, held-out accuracy (exact match) before and after, sampled
 and greedy, the judge's agreement with exact match on held-out samples, and for the judge its calls,
 failures, judgments/s, mean latency and `judge_s` (per trained group, its wait for the judge), with

@@ -206,8 +206,8 @@ def _print_summary(s: dict) -> None:
         t.add_row(f"held-out accuracy ({k})", f"{s['eval_before'][k]:.3f}", f"{s['eval_after'][k]:.3f}")
     for k in ("greedy", "sampled"):  # data.eval_reward against the training reward (a judge against exact match)
         if f"agreement_{k}" in s["eval_after"]:
-            t.add_row(f"training reward agrees with eval_reward ({k})", f"{s['eval_before'][f'agreement_{k}']:.3f}",
-                      f"{s['eval_after'][f'agreement_{k}']:.3f}")
+            t.add_row(f"training reward agrees with eval_reward ({k})",
+                      *(f"{v:.3f}" if (v := s[e].get(f"agreement_{k}")) is not None else "-" for e in ("eval_before", "eval_after")))
     Console().print(t)
     if s.get("judge"):
         print(_judge_line(s["judge"]))

@@ -60,6 +60,10 @@ def test_a_parse_function_loads_from_a_file() -> None:
     (["judge.enabled=true", "judge.engines.pool=ray_serve"], "judge.engines.pool"),
     (["judge.enabled=true", "controller.deterministic=true"], "controller.deterministic"),
     (["judge.enabled=true", "judge.top_k=0"], "judge.top_k"),
+    (["judge.enabled=true", "judge.engines.pool=http", "judge.engines.weight_sync=distributed"],
+     "judge.engines.weight_sync"),
+    (["judge.enabled=true", "judge.warm_start.enabled=true", "judge.warm_start.warmup_steps=5"],
+     "judge.warm_start.warmup_steps"),
 ])
 def test_judge_config_errors_name_the_key(sets: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -104,6 +108,37 @@ def test_judge_warm_start_trains_and_reports_agreement(tmp_path: Path, agent_mod
     assert m["held_out_false_yes"] + m["held_out_false_no"] <= 1.0 - m["held_out_agreement"] + 1e-9
     assert (tmp_path / "judge" / "config.json").is_file()
     assert json.loads((tmp_path / "judge" / "warm_start.json").read_text())["steps"] == 30
+
+
+def test_a_judge_parse_function_that_does_not_load_stops_before_any_work(tmp_path: Path) -> None:
+    p = _cli(tmp_path, "run", f"judge.parse={REWARDS}:no_such_function")
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: judge.parse: ") and "no_such_function" in last and "Traceback" not in p.stderr
+    assert not (tmp_path / "policy").exists() and not (tmp_path / "judge").exists()  # no model built, no warm start
+
+
+class _LostPool:
+    """A judge pool whose every server is gone (what HttpPool raises once none comes back)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, ids: list[int], params: dict, rid: str) -> dict:
+        from streamrl.rollout.replicas import EnginesLost
+
+        self.calls += 1
+        raise EnginesLost("every engine server is lost")
+
+
+async def test_a_judge_pool_with_no_server_left_stops_the_run_at_once() -> None:
+    from streamrl.rollout import RolloutFailed
+
+    judge = Judge(JudgeConfig(enabled=True, retries=2), _LostPool(), tokenizer=None)
+    judge.encode = lambda text: [1, 2, 3]  # type: ignore[method-assign]  # no tokenizer: the pool never answers
+    with pytest.raises(RolloutFailed, match="^judge: every engine server is lost$"):
+        await judge.ask("anything")
+    assert judge.pool.calls == 1 and judge.counters.retries == 0  # not retried: nothing is left to answer
 
 
 # ---- the client against a real engine --------------------------------------------------------------
@@ -182,14 +217,19 @@ async def test_a_judgment_in_flight_runs_through_a_policy_weight_update(
 
 
 # ---- runs through the console script ----------------------------------------------------------------
-def _cli(tmp_path: Path, cmd: str, *sets: str, groups: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
+def _cli_args(tmp_path: Path, cmd: str, *sets: str, groups: int = 0) -> list[str]:
     """`configs/judge.yaml` on fresh random tiny models (no warm starts), small."""
     args = [*STREAMRL, cmd, str(JUDGE_YAML), "--no-progress", *(["--groups", str(groups)] if groups else [])]
     for s in (f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'policy'}", "warm_start.enabled=false",
               f"judge.model.path={tmp_path / 'judge'}", "judge.warm_start.enabled=false", "data.eval_size=16",
               "rollout.group_size=4", "schedule.batch_groups=2", *sets):
         args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return args
+
+
+def _cli(tmp_path: Path, cmd: str, *sets: str, groups: int = 0) -> subprocess.CompletedProcess:
+    return subprocess.run(_cli_args(tmp_path, cmd, *sets, groups=groups), capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
 
 
 def test_a_judged_run_trains_on_the_judges_scores_and_never_updates_the_judge(tmp_path: Path) -> None:
@@ -269,3 +309,22 @@ PYTHON_VLLM = find_vllm_python()
 def test_a_judge_on_a_real_vllm_server(tmp_path: Path) -> None:
     _judge_pool_rollout(tmp_path, "judge.engines.backend=vllm")
     assert not processes_mentioning(str(tmp_path / "judge").encode())
+
+
+def test_a_judged_run_resumes_from_a_checkpoint_that_holds_nothing_of_the_judge(tmp_path: Path) -> None:
+    sets = (f"judge.parse={REWARDS}:judge_text_length", "schedule.save_every=1")
+    p = _cli(tmp_path, "run", *sets, "schedule.steps=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    ckpt = tmp_path / "run" / "checkpoints" / "step-2"
+    # The policy's weights and the run's state: no judge key, the judge's verdicts only inside queued samples.
+    assert not [k for k in json.loads((ckpt / "state.json").read_text()) if "judge" in k]
+    assert json.loads((ckpt / "config.json").read_text())["vocab_size"] < json.loads(
+        (tmp_path / "judge" / "config.json").read_text())["vocab_size"]  # the tiny policy's, not the judge's
+    p = subprocess.run(
+        [*_cli_args(tmp_path, "run", *sets, "schedule.steps=4"), "--resume", str(ckpt)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["resumed_from"] and s["judge"]["calls"] > 0 and s["judge"]["weight_versions"] == ["0"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows][-2:] == [3, 4]

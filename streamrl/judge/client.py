@@ -133,7 +133,9 @@ class Judge:
             except TimeoutError:
                 error = f"no answer within judge.timeout_s = {cfg.timeout_s:g} s"
             except Exception as e:  # noqa: BLE001 - a judge server's or a user's parse function's failure
-                if type(e).__name__ == "RolloutFailed":  # the judge's pool has no server left: the run stops
+                from ..rollout.manager import RolloutFailed
+
+                if isinstance(e, RolloutFailed):  # the judge's pool has no server left (EnginesLost): the run stops
                     raise type(e)(f"judge: {e}") from None
                 error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             else:

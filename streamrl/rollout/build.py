@@ -25,11 +25,22 @@ def preflight(cfg: Config) -> None:
             ToolBox(cfg.tools)
         except (ValueError, ImportError) as e:
             raise ConfigError("tools.functions", str(e)) from None
-    e = cfg.engines
-    if e.pool == "http" and e.backend == "vllm" and not e.urls:
-        from .http_pool import require_vllm_python
+    sections = [("engines", cfg.engines)] + ([("judge.engines", cfg.judge.engines)] if cfg.judge.enabled else [])
+    for key, e in sections:
+        if e.pool == "http" and e.backend == "vllm" and not e.urls:
+            from .http_pool import require_vllm_python
 
-        require_vllm_python(e)
+            try:
+                require_vllm_python(e)
+            except ConfigError as err:
+                raise ConfigError(f"{key}.vllm_python", err.problem) from None
+    if cfg.judge.enabled:
+        from ..judge import load_parser
+
+        try:
+            load_parser(cfg.judge.parse)
+        except (ValueError, ImportError) as err:
+            raise ConfigError("judge.parse", str(err)) from None
 
 
 def build_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: int = 0) -> EnginePool:

@@ -18,16 +18,18 @@ if TYPE_CHECKING:
 
 
 async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int = 12345,
-                             records: list[dict[str, Any]] | None = None) -> tuple[float, float | None]:
+                             records: list[dict[str, Any]] | None = None,
+                             compare: bool = True) -> tuple[float, float | None]:
     """The mean evaluation reward over `records` (default: the task's held-out ones; NaN without any),
     and the share of responses on which the evaluation and training rewards agree (both >= 0.5 or both
-    below; None where they are one reward). A response the judge fails on counts in neither."""
+    below; None where they are one reward, or with `compare` off). A response whose evaluation reward
+    fails (a judge's) counts in neither; one whose training reward fails, in the mean only."""
     from .manager import RolloutFailed
 
     records = m.task.held_out if records is None else records
     if not records:
         return float("nan"), None
-    compare = m.task.eval_fn is not None and m.task.eval_fn is not m.task.reward_fn
+    compare = compare and m.task.eval_fn is not None and m.task.eval_fn is not m.task.reward_fn
 
     async def reward(score: Any, text: str, r: dict[str, Any]) -> float | None:
         try:

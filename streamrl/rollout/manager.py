@@ -412,7 +412,8 @@ class RolloutManager:
             t0 = time.monotonic()
 
             async def judged(s: Sample) -> float:
-                with recording(s.meta.setdefault("judge", [])):  # this task's judgments go on `s`
+                s.meta["judge"] = []  # afresh: a group resumed from a checkpoint may have been half judged
+                with recording(s.meta["judge"]):  # this task's judgments go on `s`
                     r = self.task.score(s.response_text, record)
                     return await r if inspect.isawaitable(r) else r
 
@@ -435,7 +436,7 @@ class RolloutManager:
                        ) -> float:
         """Mean reward (`data.eval_reward`'s) of one response per held-out record (default: the task's),
         through the engines (not the trainer): what a user of the weights would see. NaN without records."""
-        return (await self.evaluate_agreement(temperature=temperature, seed=seed, records=records))[0]
+        return (await evaluate_agreement(self, temperature=temperature, seed=seed, records=records, compare=False))[0]
 
     async def evaluate_agreement(self, *, temperature: float, seed: int = 12345,
                                  records: list[dict[str, Any]] | None = None) -> tuple[float, float | None]:
