@@ -14,7 +14,6 @@ judge is served (streamrl/judge).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -155,9 +154,6 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 1500,
                "loss_first": sum(losses[:w]) / w, "loss_last": sum(losses[-w:]) / w, "train_seconds": train_s,
                "held_out_agreement": agree, "held_out_false_yes": false_yes,
                "held_out_false_no": false_no, "held_out_examples": len(test)}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "warm_start.json").write_text(json.dumps(metrics, indent=2))
-    return metrics
+    from .warm_start import save_trained
+
+    return save_trained(model, tokenizer, out_dir, metrics)

@@ -14,7 +14,6 @@ This module owns the prompts, the split, the reward and that warm start; it know
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -86,9 +85,6 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 300, 
     metrics = {"task": "multiply", "steps": steps, "batch_size": batch_size, "lr": lr, "label_noise": label_noise,
                "seed": seed, "loss_first": sum(losses[:window]) / window, "loss_last": sum(losses[-window:]) / window,
                "train_seconds": time.perf_counter() - t0}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "warm_start.json").write_text(json.dumps(metrics, indent=2))
-    return metrics
+    from .warm_start import save_trained
+
+    return save_trained(model, tok, out_dir, metrics)

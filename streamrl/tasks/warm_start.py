@@ -45,6 +45,17 @@ def _load(model_dir: str | Path, device: str) -> tuple[Any, Any, torch.dtype]:
     return model.to(device), tokenizer, save_dtype
 
 
+def save_trained(model: Any, tokenizer: Any, out_dir: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """A warm start's result: the model and tokenizer as an HF folder at `out_dir`, its metrics in
+    `warm_start.json` beside them. Returns `metrics`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
 def _encode_batch(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
@@ -248,12 +259,7 @@ def warm_start(
         "sampled_accuracy": sampled,
         "held_out_size": len(prompts),
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.to(save_dtype).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
-    return metrics
+    return save_trained(model.to(save_dtype), tokenizer, out_dir, metrics)
 
 
 # Captured once so the cache key does not depend on what `warm_start` is later patched or wrapped with.
