@@ -25,12 +25,19 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[obje
     Console(width=None if sys.stdout.isatty() else 220).print(t)
 
 
-def write_results(out: str | Path, meta: dict[str, Any], rows: list[dict[str, Any]], **extra: Any) -> None:
-    """`{"meta": meta + python/torch/date, "results": rows, **extra}` into `out`, and say so."""
+def write_results(out: str | Path, meta: dict[str, Any], rows: list[dict[str, Any]], *, section: str | None = None,
+                  **extra: Any) -> None:
+    """`{"meta": meta + python/torch/date, "results": rows, **extra}` into `out`, and say so. With
+    `section` (`cpu`, `gpu`) the file holds one such part per machine kind: a GPU run replaces the
+    `gpu` part and keeps the CPU figures, and the other way round."""
     import torch
 
     meta = {**meta, "torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M")}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "results": rows, **extra}, indent=2))
+    doc: dict[str, Any] = {"meta": meta, "results": rows, **extra}
+    if section:
+        old = json.loads(path.read_text()) if path.exists() else {}
+        doc = {**({"cpu": old} if "meta" in old else old), section: doc}  # a file from before the parts: the CPU's
+    path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {path}")

@@ -24,14 +24,13 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _table import print_table
+from _table import print_table, write_results
 
 from streamrl.config import config_from_dict
 from streamrl.run import run
@@ -281,21 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     where = "GPU" if args.device == "cuda" else "2-core CPU"
     print_table(f"async vs sync, long-tail task, {rows[0]['samples']} samples per mode ({where})", cols,
                 ([r[c] for c in cols] for r in rows))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "2-core CPU", "replicas": args.replicas, "max_running_requests": args.max_running, "tail": args.tail,
             "tail_shape": TAILS[args.tail], "pool": args.pool, "steps": args.steps, "warm_steps": args.warm_steps,
-            "rounds": args.rounds, "torch": torch.__version__, "python": sys.version.split()[0],
-            "date": time.strftime("%Y-%m-%d %H:%M")}
-    out = {"meta": meta, "results": rows}
-    if args.rounds > 1:
-        out["rounds"] = rounds
-    # One file, a section per machine kind: a GPU run keeps the CPU figures and the other way round.
-    path = Path(args.out)
-    doc = json.loads(path.read_text()) if path.exists() else {}
-    doc = {"cpu": doc} if "meta" in doc else doc  # a file from before the sections
-    doc["gpu" if args.device == "cuda" else "cpu"] = out
-    path.write_text(json.dumps(doc, indent=2))
-    print(f"wrote {args.out}")
+            "rounds": args.rounds}
+    write_results(args.out, meta, rows, section="gpu" if args.device == "cuda" else "cpu",
+                  **({"rounds": rounds} if args.rounds > 1 else {}))
     return 0
 
 

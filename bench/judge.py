@@ -2,15 +2,18 @@
 every sample scored by the tiny judge on its own engine) beside the same run scored by the exact-match
 rule, interleaved round by round in one process run.
 
-    python bench/judge.py [--rounds 1] [--steps N] [--config CONFIG] [--out F.json]
+    python bench/judge.py [--rounds 1] [--steps N] [--config CONFIG] [--sides judge,rule] [--out F.json]
 
 Both sides run the config (configs/judge.yaml, or another with a judge) through the console script
 (one subprocess each, in the repository, so its caches are .cache/streamrl), on the same policy warm
-start and seed; the `rule` side sets `judge.enabled=false data.reward=null`.
+start and seed; the `rule` side sets `judge.enabled=false data.reward=null`, and the `colocated` side
+(on a GPU: `--sides judge,rule,colocated`) keeps the judge and sets `engines.colocate=true`, the
+policy's engines freeing their memory around each step while the judge's engine keeps its share.
 Reported per side: RL wall time, samples/s, held-out accuracy (exact match) before and after, sampled
 and greedy, the judge's agreement with exact match on held-out samples, and for the judge its calls,
 failures, judgments/s, mean latency and `judge_s` (per trained group, its wait for the judge), with
-its warm start's own held-out agreement. Writes bench/results/judge.json.
+its warm start's own held-out agreement and the device memory its engine holds. Writes
+bench/results/judge.json, its `cpu` or `gpu` part.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from _table import print_table, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-SIDES = {"judge": [], "rule": ["judge.enabled=false", "data.reward=null"]}
+SIDES = {"judge": [], "rule": ["judge.enabled=false", "data.reward=null"], "colocated": ["engines.colocate=true"]}
 
 
 def one_run(config: Path, run_dir: Path, steps: int | None, sets: list[str]) -> dict:
@@ -56,8 +59,13 @@ def one_run(config: Path, run_dir: Path, steps: int | None, sets: list[str]) -> 
                 "judge_latency_ms": round(1000 * j["latency_mean_s"], 1),
                 "judge_s_mean": round(statistics.mean(r["judge_s"] for r in rows), 4),
                 "judge_weight_versions": j["weight_versions"], "judge_kv_mib": round(j["kv_cache_bytes"] / 2**20, 1),
+                "judge_memory_mib": round((j.get("memory_bytes") or 0) / 2**20, 1), "judge_devices": j.get("devices"),
                 "judge_warm_start_agreement": warm.get("held_out_agreement"),
                 "judge_warm_start_s": warm.get("train_seconds")}
+    if "engine_release_s" in rows[0]:  # colocated: what the policy's engines gave up around each step
+        out |= {"policy_release_s": round(statistics.mean(r["engine_release_s"] for r in rows), 4),
+                "policy_restore_s": round(statistics.mean(r["engine_restore_s"] for r in rows), 4),
+                "policy_mib_during_step": round(rows[-1]["engine_bytes_during_step"] / 2**20, 1)}
     return out
 
 
@@ -66,13 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="trainer steps per run (default: the config's)")
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "judge.yaml")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--sides", default="judge,rule", help=f"comma-separated, of {', '.join(SIDES)}; rule is the baseline")
     ap.add_argument("--out", default=str(RESULTS / "judge.json"))
     args = ap.parse_args(argv)
-    per: dict[str, list[dict]] = {m: [] for m in SIDES}
+    sides = args.sides.split(",")
+    if "rule" not in sides or not set(sides) <= set(SIDES):
+        ap.error(f"--sides: names of {', '.join(SIDES)}, rule among them; got {args.sides!r}")
+    per: dict[str, list[dict]] = {m: [] for m in sides}
     with tempfile.TemporaryDirectory(prefix="streamrl-judge-") as tmp:
         for k in range(args.rounds):
-            for m, sets in SIDES.items():
-                per[m].append(one_run(args.config.resolve(), Path(tmp) / f"{m}-{k}", args.steps, sets))
+            for m in sides:
+                per[m].append(one_run(args.config.resolve(), Path(tmp) / f"{m}-{k}", args.steps, SIDES[m]))
                 print(f"round {k} {m}: {per[m][-1]}", flush=True)
     med = {m: statistics.median(r["train_wall_s"] for r in rs) for m, rs in per.items()}
     rows = [{"side": m, "settings": SIDES[m], **rs[-1], "train_wall_s": med[m],
@@ -86,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
                  for r in rows])
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    write_results(args.out, {"config": args.config.name, "steps": args.steps, "rounds": args.rounds, "device": device}, rows)
+    gpu = torch.cuda.is_available()
+    write_results(args.out, {"config": args.config.name, "steps": args.steps, "rounds": args.rounds,
+                             "device": torch.cuda.get_device_name() if gpu else "2-core CPU"}, rows,
+                  section="gpu" if gpu else "cpu")
     return 0
 
 

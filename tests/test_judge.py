@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 from helpers import REPO, STREAMRL, processes_mentioning
 
 from streamrl.config import ConfigError, DataConfig, JudgeConfig, load_config
@@ -246,6 +247,7 @@ def test_a_judged_run_trains_on_the_judges_scores_and_never_updates_the_judge(tm
     # Three weight pushes reached the policy; none reached the judge, and none of its requests was aborted.
     assert j["weight_versions"] == ["0"] and j["aborted"] == 0 and j["failures"] == 0
     assert j["calls"] >= rows[-1]["samples"] and j["calls_per_s"] > 0 and j["tokens_per_s"] > 0
+    assert j["devices"] == ["cpu"] and j["memory_bytes"] > j["kv_cache_bytes"] > 0  # its weights and KV cache
     for k in ("greedy", "sampled"):  # held-out: exact match, and the judge's agreement with it
         assert 0.0 <= summary["eval_after"][f"agreement_{k}"] <= 1.0
     dec = msgspec.json.Decoder(Group)
@@ -328,3 +330,29 @@ def test_a_judged_run_resumes_from_a_checkpoint_that_holds_nothing_of_the_judge(
     assert s["resumed_from"] and s["judge"]["calls"] > 0 and s["judge"]["weight_versions"] == ["0"]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows][-2:] == [3, 4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the judge's engine beside the policy's on one")
+def test_a_judge_colocated_on_the_policys_gpu_keeps_its_memory_share(tmp_path: Path) -> None:
+    """Policy engine, trainer and judge engine on one GPU, the policy's engines colocated with the
+    trainer (they free their KV cache around every step): the judge's engine holds its own share, the
+    KV cache of judge.engines.max_total_tokens, through every step, and no release, push or abort
+    reaches it."""
+    tokens = 4096
+    p = _cli(tmp_path, "run", "schedule.steps=4", f"judge.parse={REWARDS}:judge_text_length",
+             "engines.device=cuda", "engines.dtype=bfloat16", "trainer.device=cuda", "engines.colocate=true",
+             "judge.engines.device=cuda", "judge.engines.dtype=bfloat16", f"judge.engines.max_total_tokens={tokens}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:  # the policy's engines gave their KV cache up for each step; the judge went on judging
+        assert r["engine_bytes_during_step"] > 0 and r["engine_release_s"] > 0 and r["judge_failures"] == 0
+    j = json.loads((tmp_path / "run" / "summary.json").read_text())["judge"]
+    assert j["devices"] == ["cuda"] and j["weight_versions"] == ["0"] and j["aborted"] == 0 and j["failures"] == 0
+    m = json.loads((tmp_path / "judge" / "config.json").read_text())
+    head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
+    per_token = 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+    from streamrl.engine.gpu.runner import PAGE
+
+    assert tokens * per_token <= j["kv_cache_bytes"] < (tokens + PAGE) * per_token  # its share: whole pages
+    assert j["memory_bytes"] > j["kv_cache_bytes"]  # and its weights

@@ -486,6 +486,7 @@ class TorchEngine:
             "paused": self.is_paused,
             "state": self.state.value,
             "weight_version": self._version,
+            "device": str(self.device),
             "tokens_per_s": tps,
             "kv_cache_bytes": self.runner.kv_bytes(),
             "kv_tokens": self.scheduler.max_total_tokens,

@@ -174,14 +174,18 @@ class Judge:
             log.append(entry)
 
     def summary(self) -> dict[str, Any]:
-        """The judge's side of a run: its counters, and its throughput over the time it was up."""
+        """The judge's side of a run: its counters, its throughput over the time it was up, and what its
+        engines hold on their devices (`memory_bytes`, weights and KV cache: its share; local pools)."""
         c, wall = self.counters, time.perf_counter() - self._t0
         done = c.calls - c.failures
         replicas = [r for r in self.pool.stats().get("replicas", []) if isinstance(r, dict)]
+        held = getattr(self.pool, "memory_bytes", None)  # a local pool's engines; a server's are its own
         return {**asdict(c), "wall_s": wall, "calls_per_s": done / wall if wall > 0 else 0.0,
                 "tokens_per_s": c.tokens / wall if wall > 0 else 0.0,
                 "latency_mean_s": c.seconds / done if done else 0.0, "weight_versions": sorted(self._versions),
                 "kv_cache_bytes": sum(int(r.get("kv_cache_bytes") or 0) for r in replicas),
+                "devices": sorted({str(r["device"]) for r in replicas if r.get("device")}),
+                "memory_bytes": held() if held else None,
                 "warm_start": self.warm_start}
 
 
