@@ -218,6 +218,10 @@ async def test_a_judgment_in_flight_runs_through_a_policy_weight_update(
 
 
 # ---- runs through the console script ----------------------------------------------------------------
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def _cli_args(tmp_path: Path, cmd: str, *sets: str, groups: int = 0) -> list[str]:
     """`configs/judge.yaml` on fresh random tiny models (no warm starts), small."""
     args = [*STREAMRL, cmd, str(JUDGE_YAML), "--no-progress", *(["--groups", str(groups)] if groups else [])]
@@ -237,7 +241,7 @@ def test_a_judged_run_trains_on_the_judges_scores_and_never_updates_the_judge(tm
     p = _cli(tmp_path, "run", "schedule.steps=3", f"judge.parse={REWARDS}:judge_text_length", "save_samples=true")
     assert p.returncode == 0, p.stderr[-3000:]
     run = tmp_path / "run"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(run)
     assert [r["version"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["judge_s"] > 0 and r["judge_failures"] == 0 and r["judge_calls"] >= 0
@@ -328,7 +332,7 @@ def test_a_judged_run_resumes_from_a_checkpoint_that_holds_nothing_of_the_judge(
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["resumed_from"] and s["judge"]["calls"] > 0 and s["judge"]["weight_versions"] == ["0"]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(tmp_path / "run")
     assert [r["version"] for r in rows][-2:] == [3, 4]
 
 
@@ -343,7 +347,7 @@ def test_a_judge_colocated_on_the_policys_gpu_keeps_its_memory_share(tmp_path: P
              "engines.device=cuda", "engines.dtype=bfloat16", "trainer.device=cuda", "engines.colocate=true",
              "judge.engines.device=cuda", "judge.engines.dtype=bfloat16", f"judge.engines.max_total_tokens={tokens}")
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(tmp_path / "run")
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     for r in rows:  # the policy's engines gave their KV cache up for each step; the judge went on judging
         assert r["engine_bytes_during_step"] > 0 and r["engine_release_s"] > 0 and r["judge_failures"] == 0
