@@ -13,16 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-from _table import print_table
+from _table import print_table, write_results
 
+from streamrl.engine.args import EngineArgs
 from streamrl.rollout.http_pool import RouterProcess, ServerProcess
 from streamrl.tasks import build_tiny_model
 
@@ -57,8 +56,8 @@ async def load(urls: list[str], clients: int, total: int) -> dict:
 async def main_async(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "m", preset="tiny")
-        servers = [ServerProcess(str(model), device="cpu", dtype="float32", max_running_requests=64, threads=1,
-                                 weight_version="0", log_path=Path(tmp) / f"w{i}.log") for i in range(2)]
+        args = EngineArgs(device="cpu", max_running_requests=64, num_threads=1, weight_version="0")
+        servers = [ServerProcess(str(model), args.replica(i), log_path=Path(tmp) / f"w{i}.log") for i in range(2)]
         router = RouterProcess(Path(tmp) / "router.log")
         try:
             workers = await asyncio.gather(*[s.start() for s in servers])
@@ -82,7 +81,7 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--out", default=str(RESULTS / "http_router.json"))
+    ap.add_argument("--out", default=str(RESULTS / "pools.json"), help="its `router` part")
     args = ap.parse_args(argv)
     rows = asyncio.run(main_async(args))
     print_table(
@@ -92,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['direct']['p50_ms']} / {r['direct']['p99_ms']}", f"{r['router']['p50_ms']} / {r['router']['p99_ms']}")
          for r in rows),
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": {"python": sys.version.split()[0]}, "results": rows}, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, {"requests": args.requests}, rows, section="router")
     return 0
 
 

@@ -19,6 +19,7 @@ from helpers import STREAMRL
 from test_run import REPO, read_groups, read_metrics, small_cfg
 
 from streamrl.config import EnginesConfig, config_from_dict
+from streamrl.engine.args import EngineArgs
 from streamrl.rollout.http_pool import HttpPool, launch_servers
 from streamrl.run import run
 from streamrl.weights import load_folder
@@ -114,8 +115,8 @@ async def test_a_lost_launched_server_is_relaunched_with_current_weights(
         tmp_path: Path, tiny_model_dir: Path, tiny_model_dir_b: Path, sig: signal.Signals) -> None:
     """Lost, killed for good, launched again after a backoff, given the weights pushed while it was
     down, and only then routed to: its greedy tokens equal the other server's."""
-    servers = launch_servers(2, str(tiny_model_dir), tmp_path, device="cpu", dtype="float32",
-                             max_running_requests=8, threads=1, weight_version="0")
+    servers = launch_servers(2, str(tiny_model_dir), tmp_path, EngineArgs(device="cpu", max_running_requests=8,
+                                                                          num_threads=1, weight_version="0"))
     pool = HttpPool(launch=servers, engines=EnginesConfig(health_check_interval_s=0.3, health_check_timeout_s=1.0))
     greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     async with pool:

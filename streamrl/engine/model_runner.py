@@ -15,7 +15,6 @@ which recomputes the whole sequence every step: correct, slow, and said so in th
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -23,9 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..batching import length_buckets
-from . import kernels
-
-log = logging.getLogger(__name__)
+from .kernels import BLOCK, block_keys, decode_attention
+from .shape import LlamaShape
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -36,42 +34,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _default_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def supports_fast_path(model: Any) -> bool:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "embed_tokens"):
-        return False
-    if getattr(model.config, "use_sliding_window", False) and getattr(model.config, "sliding_window", None):
-        return False
-    attn = getattr(layers[0], "self_attn", None)
-    return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and all(
-        hasattr(layers[0], n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")
-    )
-
-
-class LlamaShape:
-    """What a runner of a Llama-family decoder reads off the model: its layers, attention shape,
-    device and dtype (ModelRunner here, gpu/runner.py's PagedRunner)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        cfg = model.config
-        self.layers = list(model.model.layers)
-        attn0 = self.layers[0].self_attn
-        self.head_dim = int(getattr(attn0, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.scale = float(getattr(attn0, "scaling", self.head_dim**-0.5))
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
 
 
 class ModelRunner(LlamaShape):
@@ -88,7 +50,7 @@ class ModelRunner(LlamaShape):
         # positions ([rows, kv heads, max_len / 16, head_dim, 16]); elsewhere SDPA over
         # [rows, kv heads, max_len, head_dim].
         use = cpu_kernel and self.device.type == "cpu" and self.dtype == torch.float32
-        self.kernel = kernels.decode_attention() if use else None
+        self.kernel = decode_attention() if use else None
         self.k_blocked = self.kernel is not None
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
@@ -96,8 +58,8 @@ class ModelRunner(LlamaShape):
 
     def allocate(self) -> None:
         shape = (self.num_rows, self.num_kv_heads, self.max_len, self.head_dim)
-        blocks = -(-self.max_len // kernels.BLOCK)
-        kshape = (*shape[:2], blocks, self.head_dim, kernels.BLOCK) if self.k_blocked else shape
+        blocks = -(-self.max_len // BLOCK)
+        kshape = (*shape[:2], blocks, self.head_dim, BLOCK) if self.k_blocked else shape
         self.k_cache = [torch.zeros(kshape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
@@ -121,7 +83,7 @@ class ModelRunner(LlamaShape):
             s, d = slice(src[0], src[0] + 1), slice(dst[0], dst[0] + 1)
         else:
             s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-        nb = -(-length // kernels.BLOCK)
+        nb = -(-length // BLOCK)
         for k, v in zip(self.k_cache, self.v_cache, strict=True):
             if self.k_blocked:
                 k[d, :, :nb] = k[s, :, :nb]
@@ -214,7 +176,7 @@ class ModelRunner(LlamaShape):
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if self.k_blocked:
-                kb = kernels.block_keys(k)
+                kb = block_keys(k)
                 self.k_cache[i][row_idx, :, : kb.shape[2]] = kb
             else:
                 self.k_cache[i][row_idx, :, :lmax] = k
@@ -254,7 +216,7 @@ class ModelRunner(LlamaShape):
     def _decode_kernel(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         b = ids.shape[0]
         ar = torch.arange(b, device=ids.device)
-        blk, off = pos // kernels.BLOCK, pos % kernels.BLOCK
+        blk, off = pos // BLOCK, pos % BLOCK
         keys = pos + 1  # row r attends to its ctx_lens[r] cached positions and the new one
         kernel = self.kernel
         assert kernel is not None
@@ -342,41 +304,3 @@ class FallbackRunner:
         for r, t in enumerate(tokens):
             self.rows[r].append(t)
         return self._run(self.rows[: len(tokens)])
-
-
-def make_runner(model: Any, kind: str, rows: int, context_len: int, max_total_tokens: int | None, *,
-                cpu_kernel: bool, kv_cache_fraction: float) -> tuple[Any, int]:
-    """The runner `kind` names for `model` (`auto`: the paged runner on CUDA where it applies, else
-    per-slot rows; `paged`; `slots`) and the KV token budget the scheduler admits against."""
-    if kind not in ("auto", "paged", "slots"):
-        raise ValueError(f"runner must be auto, paged or slots, got {kind!r}")
-    device = model.model.embed_tokens.weight.device if hasattr(model, "model") else torch.device("cpu")
-    if kind == "paged" or (kind == "auto" and device.type == "cuda"):
-        from .gpu import PagedRunner, supports_paged  # Triton: loaded only for the paged runner
-
-        why = supports_paged(model)
-        if why is None:
-            runner = PagedRunner(model, rows, context_len,
-                                 max_total_tokens=max_total_tokens or _kv_budget(model, rows * context_len, kv_cache_fraction))
-            return runner, runner.num_pages * runner.page_size  # the pool's slots: whole pages
-        if kind == "paged":
-            raise ValueError(f"the paged runner cannot run this model: {why}")
-        log.warning("streamrl: TorchEngine uses per-slot KV rows (%s)", why)
-    total = max_total_tokens or rows * context_len
-    if supports_fast_path(model):
-        return ModelRunner(model, rows, context_len, cpu_kernel=cpu_kernel), total
-    return FallbackRunner(model, rows, context_len), total
-
-
-def _kv_budget(model: Any, most: int, fraction: float) -> int:
-    """KV tokens: `most` (rows x context), or what `fraction` of the free GPU memory holds."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    per_token = cfg.num_hidden_layers * 2 * kv_heads * head_dim * model.model.embed_tokens.weight.element_size()
-    device = model.model.embed_tokens.weight.device
-    if device.type != "cuda":
-        return most
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(1, min(most, int(fraction * free / per_token)))

@@ -26,8 +26,9 @@ import msgspec
 import torch
 
 from ..devices import resolve_device
+from .args import EngineArgs
 from .loading import eos_ids, load_state, weight_bytes
-from .model_runner import ModelRunner, make_runner
+from .model_runner import ModelRunner
 from .protocol import (
     PAUSED_STATES,
     EngineError,
@@ -40,6 +41,7 @@ from .protocol import (
     extend_version_spans,
     finish_reason,
 )
+from .runners import make_runner
 from .scheduler import Plan, Request, Scheduler
 from .step import execute, isolate
 
@@ -49,63 +51,49 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class TorchEngine:
     """Continuous-batching engine with SGLang's request contract. Use as an async context manager."""
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        device: str = "auto",
-        dtype: str = "float32",
-        max_running_requests: int = 64,
-        max_total_tokens: int | None = None,
-        max_prefill_tokens: int = 8192,
-        max_seq_len: int | None = None,
-        seed: int = 0,
-        weight_version: str = "default",
-        load_tokenizer: bool = True,
-        num_threads: int | None = None,
-        inline: bool | None = None,
-        cpu_kernel: bool = True,
-        runner: str = "auto",
-        kv_cache_fraction: float = 0.3,
-    ) -> None:
-        """`runner`: `auto` (the paged GPU runner on CUDA for Llama-family models, the per-slot runner
-        elsewhere), `paged`, `slots`. `kv_cache_fraction`: without `max_total_tokens`, the paged runner's
-        KV pool takes at most this fraction of the GPU memory free after loading the weights."""
+    def __init__(self, model_path: str, args: EngineArgs | None = None, *, load_tokenizer: bool = True,
+                 inline: bool | None = None, **settings: Any) -> None:
+        """`args`: every engine setting (engine/args.py; the defaults without it), `settings` any of them
+        by name over it (`TorchEngine(path, max_running_requests=8)`). `args.runner`: `auto` (the paged
+        GPU runner on CUDA for Llama-family models, the per-slot runner elsewhere), `paged`, `slots`.
+        `inline`: steps on the event-loop thread (the default on CPU) or in a worker thread."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self.args = args = (args or EngineArgs()).with_(**settings)
         self.model_path = model_path
-        self.device = resolve_device(device)
-        self.dtype = _DTYPES[dtype]
+        self.device = resolve_device(args.device)
+        self.dtype = _DTYPES[args.dtype]
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path) if load_tokenizer else None
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
-        self.context_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 2048))
+        self.context_len = int(args.max_seq_len or getattr(cfg, "max_position_embeddings", 2048))
         self.eos_ids = eos_ids(self.model)
-        rows = max_running_requests
-        self.runner, total = make_runner(self.model, runner, rows, self.context_len, max_total_tokens,
-                                         cpu_kernel=cpu_kernel, kv_cache_fraction=kv_cache_fraction)
+        rows = args.max_running_requests
+        self.runner, total = make_runner(self.model, args.runner, rows, self.context_len, args.max_total_tokens,
+                                         cpu_kernel=args.cpu_kernel, kv_cache_fraction=args.kv_cache_fraction)
         self.paged = bool(getattr(self.runner, "paged", False))
         self._stream = torch.cuda.Stream(self.device) if self.paged and self.device != "cpu" else None
         self.scheduler = Scheduler(
             max_running=rows,
             max_total_tokens=total,
-            max_prefill_tokens=max(max_prefill_tokens, self.context_len),
+            max_prefill_tokens=max(args.max_prefill_tokens, self.context_len),
             page_size=getattr(self.runner, "page_size", 1),
         )
-        self._version = weight_version
-        self._gen = torch.Generator(device=self.device).manual_seed(seed)
-        self._seeds = random.Random(seed)  # the paged runner's unseeded requests: a seed each
+        self._version = args.weight_version
+        self._gen = torch.Generator(device=self.device).manual_seed(args.seed)
+        self._seeds = random.Random(args.seed)  # the paged runner's unseeded requests: a seed each
         # torch's intra-op thread count is per calling thread: set it in the worker that computes, so an
         # engine and a trainer in one process can split the cores instead of oversubscribing them.
         # `inline` runs steps on the event-loop thread instead: no thread hop and no second OpenMP team
         # (on small CPUs two teams' spinning workers slow each other down), at the price of blocking the
         # loop for one step at a time. Right for a process that does nothing but generate.
         self._inline = self.device == "cpu" if inline is None else inline
-        if self._inline and num_threads:
-            torch.set_num_threads(num_threads)
-        init = (lambda: torch.set_num_threads(num_threads)) if num_threads else None
+        threads = args.num_threads
+        if self._inline and threads:
+            torch.set_num_threads(threads)
+        init = (lambda: torch.set_num_threads(threads)) if threads else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine", initializer=init)
         self._step_lock = asyncio.Lock()
         self._wakeup = asyncio.Event()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, EnginesConfig
+from ..engine.args import EngineArgs
 from ..engine.http.client import SGLangClient
 from ..engine.protocol import build_result, finish_reason
 from ..procs import EngineStartError, free_port, terminate_group
@@ -38,16 +39,14 @@ _LISTEN = re.compile(r"listening on (http://\S+)")
 
 
 class ServerProcess:
-    """One `streamrl serve` child process on a free port."""
+    """One `streamrl serve` child process on a free port, running with `args` (its flags are generated
+    from them: every engine setting reaches it)."""
 
-    def __init__(self, model_dir: str, *, device: str, dtype: str, max_running_requests: int,
-                 threads: int, weight_version: str, log_path: Path) -> None:
-        self.threads = threads
-        self.cmd = [
-            sys.executable, "-m", "streamrl.engine.http.server", "--model", model_dir, "--port", "0",
-            "--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests),
-            "--num-threads", str(threads), "--weight-version", weight_version,
-        ]
+    def __init__(self, model_dir: str, args: EngineArgs, *, log_path: Path) -> None:
+        self.args = args
+        self.threads = args.num_threads or 1
+        self.cmd = [sys.executable, "-m", "streamrl.engine.http.server", "--model", model_dir, "--port", "0",
+                    *args.flags()]
         self.log_path = log_path
         self.proc: asyncio.subprocess.Process | None = None
         self.url: str | None = None
@@ -297,9 +296,10 @@ def _lost_result(rid: str, prompt_tokens: int) -> dict[str, Any]:
                                              err_type="ServerLost"))
 
 
-def launch_servers(n: int, model_dir: str, run_dir: Path, **kw: Any) -> list[ServerProcess]:
+def launch_servers(n: int, model_dir: str, run_dir: Path, args: EngineArgs) -> list[ServerProcess]:
+    """`n` `streamrl serve` servers of `model_dir`, replica i with `args.replica(i)`."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    return [ServerProcess(model_dir, log_path=run_dir / "logs" / f"engine-{i}.log", **kw) for i in range(n)]
+    return [ServerProcess(model_dir, args.replica(i), log_path=run_dir / "logs" / f"engine-{i}.log") for i in range(n)]
 
 
 def require_vllm_python(cfg: EnginesConfig) -> str:
@@ -319,8 +319,8 @@ def vllm_cache_dir() -> str:
     return str(Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "streamrl" / "vllm")
 
 
-def build_http_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: int = 0) -> HttpPool:
-    """Servers given as `urls`, or launched here: `streamrl serve` (or real vLLM) per replica."""
+def build_http_pool(cfg: EnginesConfig, model_dir: str, args: EngineArgs, *, run_dir: Path) -> HttpPool:
+    """Servers given as `urls`, or launched here: `streamrl serve` with `args` (or real vLLM) per replica."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if cfg.backend == "vllm":  # validate() guarantees no router and disk weight sync
@@ -328,9 +328,9 @@ def build_http_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: 
 
         python = require_vllm_python(cfg)
         launched = None if cfg.urls else [
-            VLLMServer(python, model_dir, log_path=logs / f"vllm-{i}.log", dtype=cfg.dtype,
-                       max_num_seqs=cfg.max_running_requests, kv_cache_gib=cfg.vllm_kv_cache_gib, seed=seed + i,
-                       cache_dir=vllm_cache_dir(), start_timeout=cfg.start_timeout_s)
+            VLLMServer(python, model_dir, log_path=logs / f"vllm-{i}.log", dtype=args.dtype,
+                       max_num_seqs=args.max_running_requests, kv_cache_gib=cfg.vllm_kv_cache_gib,
+                       seed=args.replica(i).seed, cache_dir=vllm_cache_dir(), start_timeout=cfg.start_timeout_s)
             for i in range(cfg.num_replicas)
         ]
         return HttpPool(cfg.urls, launch=launched, backend="vllm", engines=cfg)
@@ -338,8 +338,4 @@ def build_http_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: 
                    engines=cfg)
     if cfg.urls:
         return HttpPool(cfg.urls, **routing)  # type: ignore[arg-type]
-    from ..devices import resolve_device
-
-    servers = launch_servers(cfg.num_replicas, model_dir, run_dir, device=resolve_device(cfg.device), dtype=cfg.dtype,
-                             max_running_requests=cfg.max_running_requests, threads=cfg.threads, weight_version="0")
-    return HttpPool(launch=servers, **routing)  # type: ignore[arg-type]
+    return HttpPool(launch=launch_servers(cfg.num_replicas, model_dir, run_dir, args), **routing)  # type: ignore[arg-type]

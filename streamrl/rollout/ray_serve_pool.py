@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EnginesConfig
+from ..engine.args import EngineArgs
 from ..engine.protocol import EngineError, build_result, extend_version_spans, finish_reason
 from ..weights import ObjectStoreSync
 from .pools import EnginePool
@@ -180,17 +181,17 @@ def _unwrap(e: BaseException) -> BaseException:
 
 class RayServePool(EnginePool):
     """EnginePool over Ray Serve replicas of `EngineReplica`, from `engines.*` (num_replicas, engine,
-    cpus_per_replica, gpus_per_replica, threads, stream_interval, ray_address); `engine_kwargs` go to
-    each replica's engine."""
+    cpus_per_replica, gpus_per_replica, threads, stream_interval, ray_address); `args` (every engine
+    setting) go whole to each replica's engine."""
 
-    def __init__(self, model_dir: str, cfg: EnginesConfig, *, run_dir: Path, engine_kwargs: dict[str, Any],
+    def __init__(self, model_dir: str, cfg: EnginesConfig, args: EngineArgs, *, run_dir: Path,
                  max_ongoing_requests: int = 1024, max_batch: int = 32) -> None:
         super().__init__()
         self.model_dir = model_dir
         self.engine = cfg.engine
         self.num_replicas = cfg.num_replicas
         self.run_dir = Path(run_dir)
-        self.engine_kwargs = {**engine_kwargs, "num_threads": cfg.threads}
+        self.args = args
         self.cpus_per_replica = cfg.cpus_per_replica
         self.gpus_per_replica = cfg.gpus_per_replica
         self.threads = cfg.threads
@@ -260,7 +261,7 @@ class RayServePool(EnginePool):
             health_check_period_s=2.0,
             logging_config={"log_level": "WARNING", "enable_access_log": False},
         )
-        app = dep.bind(self.model_dir, self.engine, self.engine_kwargs, self.store_name, self.namespace, self.stream_interval)
+        app = dep.bind(self.model_dir, self.engine, self.args, self.store_name, self.namespace, self.stream_interval)
         self._handle = serve.run(app, name=self.app_name, route_prefix=None)
 
     async def aclose(self) -> None:

@@ -21,6 +21,7 @@ import ray
 from ray import serve
 
 from ..engine import Engine, TorchEngine
+from ..engine.args import EngineArgs
 from ..weights import unpack
 
 
@@ -41,21 +42,20 @@ class WeightStore:
         return self.version, self.box
 
 
-def _make_engine(kind: str, model_dir: str, kwargs: dict[str, Any]) -> Engine:
+def _make_engine(kind: str, model_dir: str, args: EngineArgs) -> Engine:
     if kind == "sglang":  # unverified here: needs a GPU build of sglang on the replica's node
         from ..engine.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_dir, weight_version=str(kwargs.get("weight_version", "0")),
-                            dtype=kwargs.get("dtype", "auto"), random_seed=kwargs.get("seed", 0))
-    return TorchEngine(model_dir, **kwargs)
+        return SGLangEngine(model_dir, weight_version=args.weight_version, dtype=args.dtype, random_seed=args.seed)
+    return TorchEngine(model_dir, args)
 
 
 class EngineReplica:
     """Serve deployment body. Method names are the pool's control plane (called via broadcast)."""
 
-    async def __init__(self, model_dir: str, engine: str, engine_kwargs: dict[str, Any], store_name: str,
+    async def __init__(self, model_dir: str, engine: str, args: EngineArgs, store_name: str,
                        namespace: str, stream_interval: int) -> None:
-        self.engine = _make_engine(engine, model_dir, engine_kwargs)
+        self.engine = _make_engine(engine, model_dir, args)
         await self.engine.__aenter__()
         self.store = ray.get_actor(store_name, namespace=namespace)
         self.stream_interval = max(1, stream_interval)

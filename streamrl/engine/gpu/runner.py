@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ...batching import length_buckets
-from ..model_runner import LlamaShape
-from . import kernels as K
+from ..shape import LlamaShape
+from .kernels import add_rms_norm, decode_splits, paged_decode_attention, rope_store, sample, silu_mul
 
 PAGE = 16
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -104,7 +104,7 @@ class PagedRunner(LlamaShape):
         self._temp = torch.ones(big, dtype=torch.float32, device=dev)
         self._inp_host = torch.zeros((6, big), dtype=torch.int64, pin_memory=pin)
         self._temp_host = torch.ones(big, dtype=torch.float32, pin_memory=pin)
-        splits = K.decode_splits(1, self.num_kv_heads)
+        splits = decode_splits(1, self.num_kv_heads)
         self._mid_o = torch.empty(big * self.num_heads * splits * self.head_dim, dtype=torch.float32, device=dev)
         self._mid_l = torch.empty(big * self.num_heads * splits, dtype=torch.float32, device=dev)
         self.kv: torch.Tensor | None = None
@@ -216,16 +216,16 @@ class PagedRunner(LlamaShape):
         residual = None
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
-            x, residual = K.add_rms_norm(h, residual, layer.input_layernorm.weight, _eps(layer.input_layernorm))
+            x, residual = add_rms_norm(h, residual, layer.input_layernorm.weight, _eps(layer.input_layernorm))
             qkv = F.linear(x, self.qkv_w[i], self.qkv_b[i])
-            K.rope_store(qkv, self.cos, self.sin, pos, slots, self.kv[i, 0], self.kv[i, 1], hq, hk, hd)
+            rope_store(qkv, self.cos, self.sin, pos, slots, self.kv[i, 0], self.kv[i, 1], hq, hk, hd)
             o = layer.self_attn.o_proj
             h = F.linear(attend(i, qkv), o.weight, o.bias)
-            x, residual = K.add_rms_norm(h, residual, layer.post_attention_layernorm.weight,
+            x, residual = add_rms_norm(h, residual, layer.post_attention_layernorm.weight,
                                          _eps(layer.post_attention_layernorm))
             down = layer.mlp.down_proj
-            h = F.linear(K.silu_mul(F.linear(x, self.gate_up_w[i])), down.weight, down.bias)
-        x, _ = K.add_rms_norm(h, residual, inner.norm.weight, _eps(inner.norm))
+            h = F.linear(silu_mul(F.linear(x, self.gate_up_w[i])), down.weight, down.bias)
+        x, _ = add_rms_norm(h, residual, inner.norm.weight, _eps(inner.norm))
         return x
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,18 +325,18 @@ class PagedRunner(LlamaShape):
         inp = self._inp
         seq_lens = inp[3, :bs]
         # (Triton's interpreter, on CPU, runs programs one by one: one split there.)
-        splits = K.decode_splits(bs, self.num_kv_heads) if self.device.type == "cuda" else 1
+        splits = decode_splits(bs, self.num_kv_heads) if self.device.type == "cuda" else 1
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             assert self.kv is not None
-            return K.paged_decode_attention(qkv[:, : hq * hd], self.kv[i, 0], self.kv[i, 1], self.block_table,
+            return paged_decode_attention(qkv[:, : hq * hd], self.kv[i, 0], self.kv[i, 1], self.block_table,
                                             seq_lens, self.scale, heads=hq, kv_heads=hk, head_dim=hd, page=PAGE,
                                             splits=splits, mid_o=self._mid_o, mid_l=self._mid_l)
 
         x = self._forward(inp[0, :bs], inp[1, :bs], inp[2, :bs], attend)
         logits = self._lm_head(x)
-        tokens, logps = K.sample(logits, self._temp[:bs], inp[5, :bs], inp[4, :bs])
+        tokens, logps = sample(logits, self._temp[:bs], inp[5, :bs], inp[4, :bs])
         return logits, tokens, logps
 
     def _run_decode(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -385,7 +385,7 @@ class PagedRunner(LlamaShape):
     def sample(self, logits: torch.Tensor, temps: list[float], seeds: list[int], offsets: list[int]
                ) -> tuple[list[int], list[float]]:
         dev = logits.device
-        tok, lp = K.sample(logits, torch.tensor(temps, dtype=torch.float32, device=dev),
+        tok, lp = sample(logits, torch.tensor(temps, dtype=torch.float32, device=dev),
                            torch.tensor(seeds, dtype=torch.int64, device=dev),
                            torch.tensor(offsets, dtype=torch.int64, device=dev))
         return tok.tolist(), lp.tolist()

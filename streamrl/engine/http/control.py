@@ -183,6 +183,9 @@ async def server_info(request: web.Request) -> web.Response:
         "max_total_num_tokens": getattr(sched, "max_total_tokens", None),
         "tp_size": 1, "dp_size": 1, "weight_version": eng.weight_version, "api_key_required": bool(st.api_key),
         **st.settings, "internal_states": [eng.stats()], "version": VERSION,
+        # Every engine setting the server runs with (streamrl's engines; SGLang lists its server args).
+        **({"engine_args": msgspec.structs.asdict(eng.args)} if isinstance(getattr(eng, "args", None), msgspec.Struct)
+           else {}),
     })
 
 

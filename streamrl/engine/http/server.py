@@ -25,12 +25,13 @@ import contextlib
 import hmac
 import ipaddress
 import logging
-import signal
 import sys
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
+from ..args import EngineArgs
 from ..protocol import EngineError
 from .common import STATE, BadRequest, Limits, ServerState, error_response, is_json, json_response
 from .control import (
@@ -167,12 +168,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m streamrl.engine.h
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (all but /health*)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads for model steps")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--weight-version", default="default")
+    EngineArgs.add_flags(p)  # every engine setting, as `engines.*` gives it to a launched server
     p.add_argument("--allow-no-api-key", action="store_true",
                    help="serve a non-loopback --host without --api-key (anyone who reaches it can drive the engine)")
     d = Limits()
@@ -189,29 +186,32 @@ def main(argv: list[str] | None = None, prog: str = "python -m streamrl.engine.h
         return 2
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_text_chars=args.max_text_chars,
                     max_items=args.max_batch_size, read_timeout_s=args.read_timeout_s)
+    try:
+        engine_args = EngineArgs.from_flags(args)
+    except msgspec.ValidationError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+    stop = asyncio.Event()
 
     async def run() -> None:
         from ..torch_engine import TorchEngine
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        engine = TorchEngine(args.model, device=args.device, dtype=args.dtype, weight_version=args.weight_version,
-                             max_running_requests=args.max_running_requests, num_threads=args.num_threads)
+        engine = TorchEngine(args.model, engine_args)
         async with engine:
             await serve(engine, args.host, args.port, args.api_key, model_name=args.served_model_name, stop=stop,
                         limits=limits)
         print("streamrl serve: stopped", flush=True)
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
+    from ...procs import run_stoppable
 
-        runner: Any = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    runner(run())
+    try:
+        # A signal while serving stops it gracefully; while the engine still loads, at once.
+        run_stoppable(run(), on_stop=stop.set)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
