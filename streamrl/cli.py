@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -24,8 +23,8 @@ def _run_config_command(args: argparse.Namespace, make_coro, report) -> int:  # 
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    from .errors import StreamrlError
     from .procs import EngineStartError
-    from .rollout import RolloutFailed
     from .rollout.ray_serve_pool import RayStartError
     from .trainer import TrainerFailed
 
@@ -34,7 +33,7 @@ def _run_config_command(args: argparse.Namespace, make_coro, report) -> int:  # 
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
-    except (RayStartError, EngineStartError, RolloutFailed, TrainerFailed) as e:
+    except (RayStartError, EngineStartError, StreamrlError, TrainerFailed) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     report(result)
@@ -164,34 +163,10 @@ def _judge_line(j: dict) -> str:
 
 
 def _run_async(coro):  # noqa: ANN001, ANN202
-    """Run `coro`; SIGINT and SIGTERM cancel it, so its cleanup (engine servers, routers) runs."""
+    """Run `coro`; SIGINT and SIGTERM stop it at any point, and its cleanup (engine servers, routers) runs."""
+    from .procs import run_stoppable
 
-    async def guarded():  # noqa: ANN202
-        task = asyncio.ensure_future(coro)
-        loop = asyncio.get_running_loop()
-        signalled: list[int] = []
-
-        def stop(sig: int) -> None:
-            # Only the first signal cancels: a second one during cleanup would cut it short and leave
-            # engine servers (their own process groups, out of the terminal's reach) running.
-            if not signalled:
-                signalled.append(sig)
-                task.cancel()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop, sig)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            raise KeyboardInterrupt from None
-
-    try:
-        import uvloop
-
-        return uvloop.run(guarded())
-    except ImportError:
-        return asyncio.run(guarded())
+    return run_stoppable(coro)
 
 
 def _print_summary(s: dict) -> None:
@@ -260,7 +235,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 print(f"{p!r} -> {r['text']!r}  ({r['meta_info']['finish_reason']['type']})")
 
     try:
-        asyncio.run(main())
+        _run_async(main())
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -347,8 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _interrupt(sig: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM ends any command as Ctrl-C does, also while it still imports: "interrupted", exit 130.
+    signal.signal(signal.SIGTERM, _interrupt)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # streamrl's progress only: transformers' and the hub's bars (loading, writing weights) stay off,
+    # here and in every process a command starts (the trainer, launched servers inherit it).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # its options (--model, --port, ...) are the server's: parsed there
         from .engine.http.server import main as serve_main

@@ -1,5 +1,6 @@
 """Process helpers: stopping the children streamrl launches (engine servers, sglang-router, vLLM), free
-ports, and the driver's own garbage-collection policy (`quiet_gc`)."""
+ports, the driver's own garbage-collection policy (`quiet_gc`), and running a command's coroutine so
+that a signal stops it at any point (`run_stoppable`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import contextlib
 import os
 import signal
 import socket
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class EngineStartError(RuntimeError):
@@ -86,3 +91,44 @@ def quiet_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
+
+
+def run_stoppable(coro: Coroutine[Any, Any, T], *, on_stop: Callable[[], None] | None = None) -> T:
+    """Run `coro` to its end on a (uv)loop; SIGINT and SIGTERM stop it within seconds at any point of
+    its life. While the loop waits, the first signal calls `on_stop` (default: cancel `coro`, whose
+    cleanup then runs: engine servers, routers, the trainer). While synchronous work holds the loop in
+    `coro`'s own task (a warm start, a model load, a kernel build), where nothing would read the
+    signal before that work ends, KeyboardInterrupt is raised right there and unwinds it the same way.
+    A signal during the cleanup is ignored, so it runs to its end. A cancelled `coro` raises
+    KeyboardInterrupt."""
+
+    async def guarded() -> T:
+        task = asyncio.ensure_future(coro)
+        loop = asyncio.get_running_loop()
+        signalled: list[int] = []
+
+        def on_signal(sig: int, frame: Any) -> None:
+            if signalled:
+                return
+            signalled.append(sig)
+            if asyncio.current_task(loop) is task:
+                raise KeyboardInterrupt
+            loop.call_soon_threadsafe(on_stop or task.cancel)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if signalled and task.cancelled():  # stopped by the signal (not the loop's own shutdown)
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    try:
+        import uvloop
+
+        return uvloop.run(guarded())
+    except ImportError:
+        return asyncio.run(guarded())

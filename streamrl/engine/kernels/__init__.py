@@ -9,6 +9,8 @@ subfolder per source, CPU, torch and Python version; `scripts/setup.sh` builds i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -16,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +27,41 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("decode_attention.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 BLOCK = 16  # key positions per cache block (kBlock in the kernel)
-# torch's loader serialises builds with a lock file and waits for it forever; a build killed midway
-# (Ctrl-C during the first run) would leave it behind. A build takes ~30 s: a lock 10 minutes old is stale.
-_STALE_LOCK_S = 600.0
 
 
 def _build_dir(name: str) -> Path:
-    """The build folder of extension `name`, created, with a stale lock removed."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     out = Path(root) / name
     out.mkdir(parents=True, exist_ok=True)
-    lock = out / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            log.warning("streamrl: removing a stale build lock %s (a build was interrupted)", lock)
-            lock.unlink(missing_ok=True)
-    except FileNotFoundError:
-        pass
     return out
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """The build folder to this process alone. torch's loader serialises builds with a lock *file* and
+    waits for it forever, so a build killed midway (Ctrl-C on a first run, an OOM kill) would block
+    every later one. Builders here first take an flock, which the kernel drops with its process, however
+    it ends: whoever holds it is the only builder alive, so a torch lock file still there is a dead
+    build's, removed (and said so). A wait for a live build says so once; a signal ends it."""
+    with (build_dir / "streamrl.lock").open("a") as f:
+        told = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told:
+                    log.warning("streamrl: waiting for another process building the CPU kernel in %s", build_dir)
+                    told = True
+                time.sleep(0.2)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("streamrl: removing the lock of an interrupted kernel build (%s)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _cpu_signature() -> str:
@@ -75,12 +95,12 @@ def decode_attention() -> Any | None:
         key = src + f"{_cpu_signature()}|{torch.__version__}|{sys.version_info[:2]}|{_CFLAGS}".encode()
         tag = hashlib.sha1(key).hexdigest()[:12]
         name = f"streamrl_decode_attention_{tag}"
-        mod = cpp_extension.load(
-            name=name, sources=[str(_SOURCE)], build_directory=str(_build_dir(name)),
-            extra_cflags=_CFLAGS, verbose=False,
-        )
+        build_dir = _build_dir(name)
+        with build_lock(build_dir):
+            mod = cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+                                     extra_cflags=_CFLAGS, verbose=False)
         return mod.decode_attention
-    except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path (a signal is no Exception)
         log.warning("streamrl: CPU decode-attention kernel unavailable (%s); using PyTorch SDPA",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
