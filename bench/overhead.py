@@ -37,6 +37,7 @@ from typing import Any
 
 from _table import print_table
 
+from streamrl.assemble import Rollout
 from streamrl.buffer import RolloutBuffer, StalenessController
 from streamrl.config import Config, config_from_dict
 from streamrl.metrics import StepMetrics
@@ -202,7 +203,7 @@ async def one_scale(engines: int, steps: int, run_dir: Path) -> dict[str, Any]:
         await stack.enter_async_context(pool)
         metrics = StepMetrics(run_dir, sched.steps, manager=manager, controller=controller, buffer=buffer, pool=pool)
         stack.push_async_callback(metrics.aclose)
-        r = Run(cfg, trainer, pool, controller, buffer, manager, metrics, "sim")  # type: ignore[arg-type]
+        r = Run(cfg, trainer, pool, controller, buffer, manager, metrics, "sim", Rollout(manager, None))  # type: ignore[arg-type]
         cpu0, wall0 = time.process_time(), time.perf_counter()
         await train(r, log=lambda *_: None)  # as `streamrl run` trains, GC policy included (quiet_gc)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0

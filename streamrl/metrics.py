@@ -68,7 +68,7 @@ class StepMetrics:
         self._last = {"t": self.t0, **self._counters(t_pool, ps)}
 
     def _counters(self, t_pool: float, ps: dict[str, Any]) -> dict[str, float]:
-        c, judge = self.manager.counters, self.manager.task.judge
+        c, judge = self.manager.counters, self.manager.judge
         return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tool_calls": c.tool_calls,
                 "tool_errors": c.tool_errors, "tool_s": c.tool_s, "prefix_mismatch": c.prefix_mismatch,
                 **({"judge_calls": judge.counters.calls, "judge_failures": judge.counters.failures} if judge else {}),
@@ -80,8 +80,9 @@ class StepMetrics:
         self._poll = asyncio.create_task(_read_pool(self.pool))
         now = time.perf_counter()
         cur, last = self._counters(t_pool, ps), self._last
-        if self.manager.lockstep is not None:  # as they stood when the step's weights landed
-            cur |= self.manager.lockstep.landed_counters.pop(stats["version"])
+        landed = self.manager.scheduling.landed(stats["version"])
+        if landed is not None:  # a reproducible run's: as they stood when the step's weights landed
+            cur |= landed
         dt, dt_pool = now - last["t"], t_pool - last["t_pool"]
         tokens = cur["tokens"] - last["tokens"]
         row = {
@@ -105,9 +106,9 @@ class StepMetrics:
             "buffer_size": cur["buffer_size"], **extra,
             **{k: stats[k] for k in _COLOCATED if k in stats},
         }
-        if self.manager.workflow is not None:  # multi-turn: the step's turns and the tools since the last row
+        if self.manager.multi_turn:  # multi-turn: the step's turns and the tools since the last row
             row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s", "prefix_mismatch")}
-        if self.manager.task.judge is not None:  # judge_s: per trained group, the wait for its judgments
+        if self.manager.judge is not None:  # judge_s: per trained group, the wait for its judgments
             row |= {"judge_s": self._judge_s} | {k: cur[k] - last[k] for k in ("judge_calls", "judge_failures")}
         decisions = cur.pop("decisions", None)
         if decisions is None:

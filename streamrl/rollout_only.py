@@ -22,11 +22,9 @@ from typing import Any
 import msgspec
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .assemble import assemble, check, prepare
 from .buffer import RolloutBuffer, StalenessController
 from .config import BufferConfig, Config, dump_config
-from .judge import open_judge
-from .rollout import RolloutManager, build_pool, preflight
-from .tasks import load_task, prepare_model
 from .types import Group, encode_jsonl
 
 
@@ -39,12 +37,12 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
         raise ValueError(f"groups must be >= 1, got {groups}")
     from transformers import AutoTokenizer
 
-    task = load_task(cfg.data, seed=cfg.seed, judge=cfg.judge.enabled)  # first: a bad dataset or reward stops here
-    preflight(cfg)
+    task = check(cfg)  # first: a bad dataset or reward stops here
     run_dir = Path(cfg.run_dir)
     dump_config(cfg, run_dir / "config.yaml")
     out = out or run_dir / "rollouts.jsonl"
-    model_dir, _ = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, task=cfg.data.task, log=log)
+    prepared = prepare(cfg, task, log=log)
+    model_dir = prepared.model_dir
     bg = cfg.schedule.batch_groups
     # The version never moves, so admission is bounded by the budget alone: a staleness bound of
     # ceil(groups / batch_groups) versions lets all of them start (still capped by max_concurrent_groups).
@@ -52,15 +50,11 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
     ctl = StalenessController(msgspec.structs.replace(cfg.controller, max_staleness=-(-groups // bg), deterministic=False),
                               batch_groups=bg, max_groups=groups)
     buffer = RolloutBuffer(BufferConfig(priority="fifo"))
-    pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed)
-    manager = RolloutManager(cfg.rollout, pool=pool, tokenizer=AutoTokenizer.from_pretrained(model_dir), task=task,
-                             buffer=buffer, controller=ctl, seed=cfg.seed, max_failed_in_a_row=groups,
-                             tools=cfg.tools)
-    manager.check_context(model_dir)
     done: list[Group] = []
     async with AsyncExitStack() as stack:
-        judge = await open_judge(cfg, stack, task, log=log)  # judge.enabled: its engines, before the policy's
-        await stack.enter_async_context(pool)
+        r = await assemble(cfg, stack, prepared, model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                           controller=ctl, buffer=buffer, max_failed_in_a_row=groups)
+        manager = r.manager
         t0 = time.perf_counter()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -77,14 +71,12 @@ async def rollout_only(cfg: Config, *, groups: int, out: Path | None = None, sho
                 producer.cancel()
         except* Exception as failed:
             raise failed.exceptions[0] from None
-        finally:
-            await manager.aclose()
         wall = time.perf_counter() - t0
     summary = {"run_dir": str(run_dir), "model_dir": model_dir, "out": str(out), "wall_s": wall,
                "failed_groups": manager.counters.failed, "last_error": manager.counters.last_error,
                **summarize(done, wall)}
-    if judge is not None:
-        summary["judge"] = judge.summary()
+    if r.judge is not None:
+        summary["judge"] = r.judge.summary()
     (run_dir / "rollout_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

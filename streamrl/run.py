@@ -18,16 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .assemble import Prepared, Rollout, assemble, check, check_agreement, prepare
 from .buffer import RolloutBuffer, StalenessController, next_batch
 from .checkpoint import Resume, load_resume, save_checkpoint
 from .colocate import TrainerHandle, colocated
 from .config import Config, dump_config
-from .judge import open_judge
 from .metrics import StepMetrics
 from .plot import plot_run
 from .procs import quiet_gc
-from .rollout import EnginePool, RolloutManager, build_pool, preflight
-from .tasks import Task, load_task, prepare_model
+from .rollout import EnginePool, RolloutManager
 from .trainer import start_trainer
 
 
@@ -43,34 +42,34 @@ class Run:
     manager: RolloutManager
     metrics: StepMetrics
     base_model: str  # the policy RL started from: the KL reference, also of a resumed run
+    rollout: Rollout
 
 
 async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> dict[str, Any]:
-    task = load_task(cfg.data, seed=cfg.seed, judge=cfg.judge.enabled)  # a bad dataset or reward stops here,
-    preflight(cfg)  # before any work, as does a workflow, tool or engine install that will not load,
-    resume = load_resume(cfg)  # and a checkpoint that cannot continue this config
+    task = check(cfg)  # a bad dataset, reward, workflow, tool or engine install stops here,
+    resume = load_resume(cfg)  # as does a checkpoint that cannot continue this config
     t_start, run_dir = time.perf_counter(), Path(cfg.run_dir)
     dump_config(cfg, run_dir / "config.yaml")
+    prepared = prepare(cfg, task, log=log, start=str(resume.path) if resume else None)  # models, warm starts
     if resume is None:
-        model_dir, warm = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, task=cfg.data.task, log=log)
-        base_model, summary = model_dir, {"run_dir": str(run_dir), "model_dir": model_dir, "warm_start": warm}
+        base_model, summary = prepared.model_dir, {"run_dir": str(run_dir), "model_dir": prepared.model_dir,
+                                                   "warm_start": prepared.warm_start}
     else:  # the checkpoint's policy, for engines and trainer alike; no warm start
-        model_dir, base_model, summary = resume.start(run_dir, log)
-    async with AsyncExitStack() as stack:  # torn down in reverse: metrics files, engines, trainer
-        judge = await open_judge(cfg, stack, task, log=log)  # judge.enabled: its own engines, first up, last down
-        r = await build(cfg, stack, task, model_dir, base_model, resume, show_progress)
+        _, base_model, summary = resume.start(run_dir, log)
+    async with AsyncExitStack() as stack:  # torn down in reverse: metrics files, engines, judge, trainer
+        r = await build(cfg, stack, prepared, base_model, resume, show_progress)
         summary |= {"resumed_from": resume.restore(r.buffer, r.controller, r.manager)} if resume else {}
         summary |= await train(r, log=log)
         summary |= {"final_model": str(await r.trainer.save(run_dir / "final"))}
-        summary |= {"judge": judge.summary()} if judge else {}
+        summary |= {"judge": r.rollout.judge.summary()} if r.rollout.judge else {}
     summary |= {"total_wall_s": time.perf_counter() - t_start, "plot": plot_run(run_dir, log)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
 
-async def build(cfg: Config, stack: AsyncExitStack, task: Task, model_dir: str, base_model: str,
-                resume: Resume | None, show_progress: bool) -> Run:
-    sched, run_dir = cfg.schedule, Path(cfg.run_dir)
+async def build(cfg: Config, stack: AsyncExitStack, prepared: Prepared, base_model: str, resume: Resume | None,
+                show_progress: bool) -> Run:
+    sched, run_dir, model_dir = cfg.schedule, Path(cfg.run_dir), prepared.model_dir
     trainer = start_trainer(cfg.trainer, model_dir, temperature=cfg.rollout.temperature, ref_model_path=base_model,
                             **(resume.trainer_state() if resume else {}))
     stack.push_async_callback(trainer.aclose)
@@ -79,25 +78,24 @@ async def build(cfg: Config, stack: AsyncExitStack, task: Task, model_dir: str, 
     controller = StalenessController(cfg.controller, batch_groups=sched.batch_groups,
                                      max_groups=sched.steps * sched.batch_groups)
     buffer = RolloutBuffer(cfg.buffer, on_drop=controller.dropped)
-    pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed)
-    trainer = colocated(trainer, pool, cfg.engines)  # engines.colocate: one GPU, taken in turns
-    manager = RolloutManager(cfg.rollout, pool=pool, tokenizer=trainer.tokenizer, task=task, buffer=buffer,
-                             controller=controller, seed=cfg.seed, tools=cfg.tools)
-    manager.check_context(model_dir)
-    stack.push_async_callback(manager.aclose)
-    await stack.enter_async_context(pool)
+    rollout = await assemble(cfg, stack, prepared, model_dir=model_dir, tokenizer=trainer.tokenizer,
+                             controller=controller, buffer=buffer)
+    trainer = colocated(trainer, rollout.pool, cfg.engines)  # engines.colocate: one GPU, taken in turns
     if cfg.engines.urls or resume is not None:
         # user-run servers may hold other weights, a resumed run's engines need the checkpoint's version
-        await pool.push_weights(trainer.weights(), trainer.version, pause=None)
-    metrics = StepMetrics(run_dir, sched.steps, manager=manager, save_samples=cfg.save_samples, append=resume is not None,
-                          progress=show_progress, logging=cfg.logging, run_config=cfg)
+        await rollout.pool.push_weights(trainer.weights(), trainer.version, pause=None)
+    metrics = StepMetrics(run_dir, sched.steps, manager=rollout.manager, save_samples=cfg.save_samples,
+                          append=resume is not None, progress=show_progress, logging=cfg.logging, run_config=cfg)
     stack.push_async_callback(metrics.aclose)
-    return Run(cfg, trainer, pool, controller, buffer, manager, metrics, base_model)
+    return Run(cfg, trainer, rollout.pool, controller, buffer, rollout.manager, metrics, base_model, rollout)
 
 
 async def train(r: Run, *, log: Any) -> dict[str, Any]:
     sched, before = r.cfg.schedule, await r.manager.evaluate_held_out()
     log(f"held-out accuracy before RL: greedy {before['greedy']:.3f}, sampled {before['sampled']:.3f}")
+    if "agreement_sampled" in before and r.rollout.judge is not None:
+        check_agreement(r.cfg, min(before["agreement_sampled"], before["agreement_greedy"]),
+                        "the held-out responses before RL")
     await r.metrics.start()
     quiet_gc()  # before the loop: startup's objects leave the collector's walks
     try:
@@ -126,7 +124,7 @@ async def train_step(r: Run, push: asyncio.Task[None]) -> dict[str, Any]:
     """One optimizer step: the batch's parts go to the trainer as the controller lets them be trained
     (it computes while the rest still generates); the step itself waits for the last step's push."""
     t0, groups, parts = time.perf_counter(), [], 0
-    async for part in next_batch(r.buffer, r.controller, r.cfg.schedule.batch_groups, whole=bool(r.manager.lockstep)):
+    async for part in next_batch(r.buffer, r.controller, r.cfg.schedule.batch_groups, whole=r.manager.scheduling.whole_batches):
         await r.trainer.accumulate(part)
         groups, parts = groups + part, parts + 1
     await push  # the optimizer must not write weights the push still reads

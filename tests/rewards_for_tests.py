@@ -46,3 +46,8 @@ def judge_fails_every_tenth(text: str, logprobs: list[float]) -> float:
     if next(_judge_calls) % 10 == 9:
         raise ValueError("the judge's tenth answer")
     return float(len(text))
+
+
+def judge_always_yes(text: str, logprobs: list[float]) -> float:
+    """A judge that calls every response right: it agrees with exact match only where the policy is."""
+    return 1.0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    REPO,
     STREAMRL,
     processes_mentioning,
     quickstart_until_first_step,
@@ -231,3 +232,16 @@ def test_a_trainer_killed_mid_run_is_one_line_exit_1(tmp_path: Path) -> None:
     assert err.strip().splitlines()[-1] == f"error: the trainer process (pid {trainer[0]}) was killed by SIGKILL"
     assert "Traceback" not in err
     assert not processes_mentioning(str(model).encode())
+
+
+def test_a_command_shows_streamrls_progress_and_none_of_transformers_bars(tmp_path: Path) -> None:
+    """Building a model, loading it in the engine and the trainer: transformers' own bars ("Loading
+    weights", "Writing model shards") stay out of what a user sees, in every process of the run."""
+    p = subprocess.run([*STREAMRL, "run", str(REPO / "configs" / "quickstart.yaml"), "--no-progress",
+                        "--set", f"run_dir={tmp_path / 'run'}", "--set", f"model.path={tmp_path / 'model'}",
+                        "--set", "warm_start.enabled=false", "--set", "schedule.steps=2", "--set", "data.eval_size=8"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout + p.stderr
+    assert "building tiny model" in out and "held-out accuracy" in out
+    assert "Loading weights" not in out and "Writing model shards" not in out and "it/s]" not in out, out[-2000:]

@@ -228,6 +228,18 @@ def test_a_wrong_answer_key_stops_streamrl_run_before_any_work(tmp_path: Path) -
     assert not run_dir.exists() and not (tmp_path / "model-tiny_agent").exists()  # stopped before any work
 
 
+def test_chat_prompts_without_a_chat_template_are_a_one_line_config_error(tmp_path: Path) -> None:
+    """A verl file (chat prompts) with the quickstart's plain tiny model, whose tokenizer has no chat
+    template: one line naming data.prompt_key and the fixes, before the trainer or any engine starts."""
+    path = write_verl_parquet(tmp_path / "train.parquet", n=3)
+    p, run_dir = run_cli(tmp_path, {"path": str(path), "answer_key": "reward_model.ground_truth"}, "tiny")
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: data.prompt_key: the prompts are chat messages"), p.stderr
+    assert "no chat template" in lines[0] and "tiny_agent" in lines[0] and "Traceback" not in p.stderr
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "logs").exists()
+
+
 @pytest.mark.parametrize(
     ("layout", "model_init"),
     [

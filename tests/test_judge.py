@@ -18,8 +18,8 @@ from helpers import REPO, STREAMRL, processes_mentioning
 from streamrl.config import ConfigError, DataConfig, JudgeConfig, load_config
 from streamrl.engine import TorchEngine
 from streamrl.engine.vllm import find_vllm_python
-from streamrl.judge import Judge, JudgeError, build_judge, load_parser, number, recording, yes_no
-from streamrl.rollout import LocalPool
+from streamrl.judge import Judge, JudgeError, load_parser, number, yes_no
+from streamrl.rollout import LocalPool, build_pool
 from streamrl.tasks import addition, addition_judge, load_task
 from streamrl.types import Group
 
@@ -63,8 +63,6 @@ def test_a_parse_function_loads_from_a_file() -> None:
     (["judge.enabled=true", "judge.top_k=0"], "judge.top_k"),
     (["judge.enabled=true", "judge.engines.pool=http", "judge.engines.weight_sync=distributed"],
      "judge.engines.weight_sync"),
-    (["judge.enabled=true", "judge.warm_start.enabled=true", "judge.warm_start.warmup_steps=5"],
-     "judge.warm_start.warmup_steps"),
 ])
 def test_judge_config_errors_name_the_key(sets: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -144,8 +142,10 @@ async def test_a_judge_pool_with_no_server_left_stops_the_run_at_once() -> None:
 
 # ---- the client against a real engine --------------------------------------------------------------
 def _judge(model: Path, tmp_path: Path, **kw: object) -> Judge:
+    from transformers import AutoTokenizer
+
     cfg = JudgeConfig(**{"enabled": True, "prompt_template": "{prompt}{response};{answer}>", "max_new_tokens": 4, **kw})
-    return build_judge(cfg, str(model), run_dir=tmp_path)
+    return Judge(cfg, build_pool(cfg.engines, str(model), run_dir=tmp_path), AutoTokenizer.from_pretrained(model))
 
 
 RECORD = {"prompt": "37+48=", "answer": "85"}
@@ -155,8 +155,7 @@ async def test_a_judgment_goes_through_the_judge_engine_and_is_recorded(tmp_path
     log: list[dict] = []
     async with _judge(agent_model_dir, tmp_path, parse=f"{REWARDS}:judge_text_length") as judge:
         assert judge.prompt("85", RECORD) == "37+48=85;85>"
-        with recording(log):
-            v = await judge.judge("85", RECORD)
+        v = await judge.recording(log).judge("85", RECORD)
         s = judge.summary()
     assert v.score == len(v.text) and v.tries == 1 and 1 <= len(v.logprobs) <= 4
     assert log == [{"score": v.score, "text": v.text, "s": round(v.seconds, 4)}]
@@ -167,8 +166,8 @@ async def test_a_judgment_goes_through_the_judge_engine_and_is_recorded(tmp_path
 async def test_an_unparsable_judge_retries_then_fails_in_one_line(tmp_path: Path, agent_model_dir: Path) -> None:
     log: list[dict] = []
     async with _judge(agent_model_dir, tmp_path, parse=f"{REWARDS}:judge_unparsable", retries=2) as judge:
-        with recording(log), pytest.raises(JudgeError) as info:
-            await judge.judge("85", RECORD)
+        with pytest.raises(JudgeError) as info:
+            await judge.recording(log).judge("85", RECORD)
         c = judge.counters
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("judge: ValueError: no verdict in ") and msg.endswith("(3 tries)")
@@ -227,6 +226,7 @@ def _cli_args(tmp_path: Path, cmd: str, *sets: str, groups: int = 0) -> list[str
     args = [*STREAMRL, cmd, str(JUDGE_YAML), "--no-progress", *(["--groups", str(groups)] if groups else [])]
     for s in (f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'policy'}", "warm_start.enabled=false",
               f"judge.model.path={tmp_path / 'judge'}", "judge.warm_start.enabled=false", "data.eval_size=16",
+              "judge.min_agreement=null",
               "rollout.group_size=4", "schedule.batch_groups=2", *sets):
         args += ["--set", s]
     return args
@@ -261,6 +261,27 @@ def test_a_judged_run_trains_on_the_judges_scores_and_never_updates_the_judge(tm
         [verdict] = s.meta["judge"]
         assert s.reward == verdict["score"] == len(verdict["text"])
     assert "judge: " in p.stdout and "judgments/s" in p.stdout
+
+
+def test_a_judge_warm_started_below_min_agreement_stops_the_run_before_the_trainer(tmp_path: Path) -> None:
+    """judge.min_agreement against the judge's warm start (a few steps: it has learned nothing yet)."""
+    p = _cli(tmp_path, "run", "judge.warm_start.enabled=true", "judge.warm_start.steps=3",
+             f"judge.warm_start.cache_dir={tmp_path / 'cache'}", "judge.min_agreement=0.95")
+    assert p.returncode == 1, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the judge agrees with exact match on ") and "Traceback" not in p.stderr
+    assert "of its warm start's held-out examples, below judge.min_agreement (95%)" in last
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "judge").exists()
+
+
+def test_a_judge_below_min_agreement_on_the_held_out_responses_stops_before_rl(tmp_path: Path) -> None:
+    """A judge given as it is (no warm start) that says yes to everything: the held-out evaluation before
+    RL shows how often it agrees with exact match, and RL never starts on it."""
+    p = _cli(tmp_path, "run", f"judge.parse={REWARDS}:judge_always_yes", "judge.min_agreement=0.9")
+    assert p.returncode == 1, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the judge agrees with exact match on ") and "held-out responses before RL" in last
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # not one step
 
 
 def test_a_judge_failure_fails_its_group_and_the_rollouts_go_on(tmp_path: Path) -> None:

@@ -115,4 +115,4 @@ async def test_a_snapshot_taken_at_an_update_resumes_in_a_new_manager(engine_mod
         assert s.response_ids[: len(ids)] == ids and s.versions[: len(versions)] == versions  # nothing lost
         assert set(s.versions[len(versions):]) <= {1} and s.status in ("completed", "truncated")
         assert len(s.logprobs) == s.num_tokens
-    assert manager._next_seed >= counters["next_seed"] + len(partial)
+    assert manager.scheduling.next_seed >= counters["next_seed"] + len(partial)  # an episode seed each

@@ -27,8 +27,6 @@ def small_cfg(tmp_path: Path, model_dir: Path, **sections) -> dict:
         "data": {"eval_size": 16},
         "engines": {"max_running_requests": 32},
         "rollout": {"group_size": 4, "max_new_tokens": 6},
-        # Every sample computed, so each step's on-policy logprob check has tokens to compare (a step
-        # whose groups all tie would skip them all and report null).
         "trainer": {"lr": 1e-4}, "schedule": {"steps": 6, "batch_groups": 2},
     }
     for k, v in sections.items():
@@ -49,6 +47,9 @@ async def test_sync_run_is_on_policy_and_writes_outputs(tmp_path: Path, tiny_mod
     cfg = config_from_dict(small_cfg(
         tmp_path, tiny_model_dir, controller={"max_staleness": 0},
         data={"reward": f"{REPO / 'tests' / 'rewards_for_tests.py'}:length_reward"},
+        # Every sample computed (a KL term: none is skipped for a zero advantage), so each step's
+        # on-policy logprob check has tokens to compare, also when a step's groups all tie.
+        trainer={"kl_coef": 1e-3},
     ))
     summary = await run(cfg, show_progress=False, log=lambda *_: None)
     run_dir = Path(summary["run_dir"])
@@ -256,9 +257,9 @@ async def test_a_failed_weight_push_stops_the_run_with_its_error(tmp_path: Path,
     the steps whose weights reached the engines."""
     import asyncio
 
-    import streamrl.run as run_mod
+    import streamrl.assemble as assemble_mod
 
-    real = run_mod.build_pool
+    real = assemble_mod.build_pool
 
     def failing_pool(cfg, model_dir, **kw):  # noqa: ANN001, ANN003, ANN202 - a thin wrapper of the real builder
         pool = real(cfg, model_dir, **kw)
@@ -272,7 +273,7 @@ async def test_a_failed_weight_push_stops_the_run_with_its_error(tmp_path: Path,
         pool.weight_sync.load = failing_load
         return pool
 
-    monkeypatch.setattr(run_mod, "build_pool", failing_pool)
+    monkeypatch.setattr(assemble_mod, "build_pool", failing_pool)
     # Sync: the next batch is only admitted once the push is done, so without the push's error the
     # trainer would wait for it forever.
     cfg = config_from_dict(small_cfg(tmp_path, tiny_model_dir, controller={"max_staleness": 0}))

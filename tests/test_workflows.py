@@ -16,8 +16,8 @@ from streamrl.buffer import RolloutBuffer, StalenessController
 from streamrl.config import ControllerConfig, RolloutConfig, ToolsConfig, TrainerConfig
 from streamrl.engine import TorchEngine, build_result
 from streamrl.engine.protocol import finish_reason
-from streamrl.rollout import EnginePool, LocalPool, RolloutManager
-from streamrl.rollout.manager import encode_prompt
+from streamrl.rollout import EnginePool, LocalPool, RolloutManager, ToolBox
+from streamrl.rollout.runner import Episode, encode_prompt
 from streamrl.tasks import Task
 from streamrl.trainer.logprobs import pack_samples, token_logprobs
 from streamrl.trainer.losses import policy_loss
@@ -29,20 +29,21 @@ SPEC = f"{HERE / 'workflows_for_tests.py'}"
 
 def manager_for(pool: EnginePool, tokenizer: Any, *, workflow: str, tools: list[str], group_size: int = 4,
                 timeout_s: float = 5.0, max_new_tokens: int = 60, max_groups: int | None = 1,
-                version: int = 0) -> tuple[RolloutManager, RolloutBuffer, StalenessController]:
+                version: int = 0, max_turns: int = 4) -> tuple[RolloutManager, RolloutBuffer, StalenessController]:
     ctl = StalenessController(ControllerConfig(), batch_groups=1, max_groups=max_groups)
     ctl.version = ctl.engine_version = version
     buffer = RolloutBuffer()
     task = Task(train=[{"prompt": "12+34=", "answer": "46"}], held_out=[], reward_fn=lambda text, answer: 0.0)
-    manager = RolloutManager(RolloutConfig(group_size=group_size, max_new_tokens=max_new_tokens, workflow=workflow),
+    manager = RolloutManager(RolloutConfig(group_size=group_size, max_new_tokens=max_new_tokens, workflow=workflow,
+                                           max_turns=max_turns),
                              pool=pool, tokenizer=tokenizer, task=task, buffer=buffer, controller=ctl,
-                             tools=ToolsConfig(functions=tools, timeout_s=timeout_s))
+                             tools=ToolBox(ToolsConfig(functions=tools, timeout_s=timeout_s)))
     return manager, buffer, ctl
 
 
 def calls(manager: RolloutManager) -> list[str]:
     """The `count` tool's log, read from the module the manager loaded it from."""
-    return manager.tools.tools["count"].__globals__["CALLS"]  # type: ignore[union-attr]
+    return manager.ctx.tools.tools["count"].__globals__["CALLS"]  # type: ignore[union-attr]
 
 
 # ---- the loss ignores tool tokens -----------------------------------------------------------------
@@ -110,8 +111,7 @@ async def test_multi_turn_tools_runs_each_call_and_masks_its_observation(agent_m
     pool = ScriptedPool(tok, script)
     manager, buffer, _ = manager_for(pool, tok, workflow="multi_turn_tools", group_size=1, timeout_s=0.2,
                                      tools=["calculator", f"slow={SPEC}:slow", f"broken={SPEC}:broken"],
-                                     max_new_tokens=400)
-    manager.cfg = RolloutConfig(group_size=1, max_new_tokens=400, workflow="multi_turn_tools", max_turns=8)
+                                     max_new_tokens=400, max_turns=8)
     producer = asyncio.create_task(manager.run())
     try:
         [group] = await asyncio.wait_for(buffer.get_batch(1), 30)
@@ -288,9 +288,7 @@ async def test_the_capture_endpoint_refuses_what_it_cannot_record(agent_model_di
     pool = LocalPool([TorchEngine(str(agent_model_dir), device="cpu", max_running_requests=8)])
     manager, _, _ = manager_for(pool, tok, workflow=f"{SPEC}:chat_native", tools=["calculator"])
     s = Sample(group_id="g", prompt_ids=encode_prompt(tok, [{"role": "user", "content": "1+2="}]))
-    from streamrl.rollout.episode import Episode
-
-    ep = Episode(manager, s, {})
+    ep = Episode(manager.ctx, s, {})
     url = await ep.openai_url()
     try:
         async with aiohttp.ClientSession() as http:

@@ -44,7 +44,7 @@ async def chat_via_openai(record: dict[str, Any], episode: Any) -> None:
 
 async def chat_native(record: dict[str, Any], episode: Any) -> None:
     """The same two turns through the episode itself: what the SDK path must reproduce token for token."""
-    tok = episode.manager.tokenizer
+    tok = episode.tokenizer
     messages = list(record["prompt"])
     first = await episode.generate(max_new_tokens=6)
     ids = episode.sample.response_ids[first.start:first.end]

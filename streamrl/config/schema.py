@@ -62,7 +62,10 @@ class WarmStartConfig(_Section):
     label_noise: Annotated[float, _d("fraction of warm-start labels made wrong", ge=0, le=1)] = 0.5
     cache_dir: Annotated[str, _d("cache of warm-started weights, keyed by settings")] = ".cache/streamrl"
     device: Annotated[Device, _d("device of the warm start; auto = cuda if available")] = "auto"
-    warmup_steps: Annotated[int, _d("linear learning-rate warmup before the cosine decay (addition)", ge=0)] = 0
+    warmup_steps: Annotated[Annotated[int, Meta(ge=0)] | None, _d(
+        "linear learning-rate warmup before the cosine decay; null = the task recipe's own (addition: 0, "
+        "the judge's: 100)"
+    )] = None
 
 
 class DataConfig(_Section):
@@ -202,7 +205,7 @@ class JudgeConfig(_Section):
         default_factory=lambda: ModelConfig(path=".cache/streamrl/tiny-judge", init="tiny_agent"))
     warm_start: Annotated[WarmStartConfig, _d(
         "the judge's own offline training (the built-in recipe grades data.task: addition), cached like the policy's"
-    )] = msgspec.field(default_factory=lambda: WarmStartConfig(steps=1500, lr=2e-3, label_noise=0.0))
+    )] = msgspec.field(default_factory=lambda: WarmStartConfig(steps=1500, lr=1e-3, label_noise=0.0))
     engines: Annotated[EnginesConfig, _d("the judge's engines and their pool (local, http, or http with backend vllm)")] = (
         _sec(EnginesConfig)
     )
@@ -223,6 +226,10 @@ class JudgeConfig(_Section):
     retries: Annotated[int, _d(
         "tries after a failed one (timeout, aborted request, unparsable text); then the group fails", ge=0,
     )] = 2
+    min_agreement: Annotated[Annotated[float, Meta(ge=0, le=1)] | None, _d(
+        "RL starts only on a judge that agrees with exact match at least this often: on its warm start's held-out "
+        "examples, and on the held-out evaluation before RL (with data.eval_reward); null = no check",
+    )] = None
 
 
 class ControllerConfig(_Section):

@@ -159,8 +159,6 @@ def _check_judge(cfg: Config) -> None:
     _check_pool(j.engines, "judge.engines")
     if j.engines.weight_sync != "disk":
         raise ConfigError("judge.engines.weight_sync", "the judge's weights never change: leave it disk")
-    if j.warm_start.warmup_steps:
-        raise ConfigError("judge.warm_start.warmup_steps", "the judge's warm start has its own schedule; leave it 0")
     if j.engines.pool == "ray_serve":  # one Ray cluster per run, which the policy's pool owns and shuts down
         raise ConfigError("judge.engines.pool", "the judge serves from local or http (streamrl serve / vLLM) engines, "
                                                 "not ray_serve")

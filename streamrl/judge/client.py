@@ -7,29 +7,22 @@ The pool is the judge's alone: the run pushes weights to, pauses and aborts the 
 so a judge request in flight runs to its end whatever training does. A try that times out, comes back
 aborted (a lost server), or whose text does not parse is tried again (`judge.retries`); then the
 judgment fails with a `JudgeError` whose message is one line, and the group it scores is a failed
-group like any whose reward raised. Every judgment is recorded on the sample being scored
-(`sample.meta["judge"]`: score, text, seconds) through `recording`.
+group like any whose reward raised. A reward gets the judge as `judge.recording(log)`: the same
+client, recording each judgment it asks for into the sample's `meta["judge"]` (score, text, seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import inspect
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..config import JudgeConfig
+from ..errors import JudgeError, RolloutFailed
 from .parse import load_parser
-
-_log: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar("judge_log", default=None)
-
-
-class JudgeError(RuntimeError):
-    """A judgment that failed every try; `str()` is one line: why, and how many tries."""
 
 
 @dataclass
@@ -52,16 +45,6 @@ class JudgeCounters:
     aborted: int = 0  # tries whose request came back aborted
 
 
-@contextlib.contextmanager
-def recording(log: list[dict[str, Any]]) -> Iterator[None]:
-    """The judgments made inside (in this task) are appended to `log`: a sample's `meta["judge"]`."""
-    token = _log.set(log)
-    try:
-        yield
-    finally:
-        _log.reset(token)
-
-
 def prompt_text(prompt: Any) -> str:
     """A record's prompt as text: a chat's last user message."""
     if isinstance(prompt, str):
@@ -71,19 +54,26 @@ def prompt_text(prompt: Any) -> str:
 
 
 class Judge:
-    """`await judge.judge(response, record)` -> Verdict. Use as an async context manager (starts and
-    stops its pool)."""
+    """`await judge.judge(response, record)` -> Verdict, on `pool` (an EnginePool the judge is given and
+    owns from then on: use the Judge as an async context manager, which starts and stops it)."""
 
-    def __init__(self, cfg: JudgeConfig, pool: Any, tokenizer: Any, *, seed: int = 0) -> None:
+    def __init__(self, cfg: JudgeConfig, pool: Any, tokenizer: Any, *, seed: int = 0,
+                 warm_start: dict[str, Any] | None = None) -> None:
+        """`warm_start`: the metrics of the judge's warm start, where streamrl trained it (its summary)."""
         self.cfg = cfg
         self.pool = pool
         self.tokenizer = tokenizer
         self.parse = load_parser(cfg.parse)
         self.counters = JudgeCounters()
+        self.warm_start = dict(warm_start or {})
         self._next = seed * 1_000_003
-        self.warm_start: dict[str, Any] = {}  # the judge's warm-start metrics, where streamrl trained it
         self._versions: set[str] = set()  # the judge's weight versions its answers carry: never a push's
         self._t0 = time.perf_counter()
+
+    def recording(self, log: list[dict[str, Any]]) -> RecordingJudge:
+        """This judge, recording every judgment asked through it into `log` (a sample's `meta["judge"]`):
+        what a reward that takes `judge` is given."""
+        return RecordingJudge(self, log)
 
     async def __aenter__(self) -> Judge:
         await self.pool.__aenter__()
@@ -107,15 +97,16 @@ class Judge:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         return [tok.bos_token_id, *ids] if tok.bos_token_id is not None else ids
 
-    async def judge(self, response: str, record: Mapping[str, Any]) -> Verdict:
-        """The judge's verdict on `response` to the prompt `record`."""
-        return await self.ask(self.prompt(response, record))
+    async def judge(self, response: str, record: Mapping[str, Any], log: list[dict[str, Any]] | None = None) -> Verdict:
+        """The judge's verdict on `response` to the prompt `record` (recorded into `log`)."""
+        return await self.ask(self.prompt(response, record), log)
 
-    async def score(self, response: str, record: Mapping[str, Any]) -> float:
-        return (await self.judge(response, record)).score
+    async def score(self, response: str, record: Mapping[str, Any], log: list[dict[str, Any]] | None = None) -> float:
+        return (await self.judge(response, record, log)).score
 
-    async def ask(self, text: str) -> Verdict:
-        """The judge's verdict on a prompt of your own (`text`, rendered as `judge.chat` says)."""
+    async def ask(self, text: str, log: list[dict[str, Any]] | None = None) -> Verdict:
+        """The judge's verdict on a prompt of your own (`text`, rendered as `judge.chat` says), recorded
+        into `log` (each try's score, text and seconds, or its error)."""
         cfg, c = self.cfg, self.counters
         c.calls += 1
         self._next += 1
@@ -133,21 +124,21 @@ class Judge:
             except TimeoutError:
                 error = f"no answer within judge.timeout_s = {cfg.timeout_s:g} s"
             except Exception as e:  # noqa: BLE001 - a judge server's or a user's parse function's failure
-                from ..rollout.manager import RolloutFailed
-
                 if isinstance(e, RolloutFailed):  # the judge's pool has no server left (EnginesLost): the run stops
                     raise type(e)(f"judge: {e}") from None
                 error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             else:
                 verdict.seconds, verdict.tries = time.perf_counter() - t0, attempt + 1
                 c.seconds += verdict.seconds
-                self._record({"score": verdict.score, "text": verdict.text, "s": round(verdict.seconds, 4)})
+                if log is not None:
+                    log.append({"score": verdict.score, "text": verdict.text, "s": round(verdict.seconds, 4)})
                 return verdict
             if attempt < cfg.retries:
                 c.retries += 1
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
         c.failures += 1
-        self._record({"error": error})
+        if log is not None:
+            log.append({"error": error})
         tries = cfg.retries + 1
         raise JudgeError(f"judge: {error} ({tries} {'try' if tries == 1 else 'tries'})")
 
@@ -168,11 +159,6 @@ class Judge:
             score = await score
         return Verdict(score=float(score), text=text, logprobs=lps, seconds=0.0, tries=0)
 
-    def _record(self, entry: dict[str, Any]) -> None:
-        log = _log.get()
-        if log is not None:
-            log.append(entry)
-
     def summary(self) -> dict[str, Any]:
         """The judge's side of a run: its counters, its throughput over the time it was up, and what its
         engines hold on their devices (`memory_bytes`, weights and KV cache: its share; local pools)."""
@@ -189,6 +175,19 @@ class Judge:
                 "warm_start": self.warm_start}
 
 
-async def judge_reward(response: str, answer: Any, *, record: Mapping[str, Any], judge: Judge) -> float:
-    """`data.reward: judge`: the judge's score of the response."""
-    return await judge.score(response, record)
+class RecordingJudge:
+    """A judge whose judgments go into one sample's log (`Judge.recording`): what a reward that takes
+    `judge` gets, with the judge's own calls (`judge`, `score`, `ask`, `prompt`)."""
+
+    def __init__(self, judge: Judge, log: list[dict[str, Any]]) -> None:
+        self.client, self.log = judge, log
+        self.cfg, self.prompt = judge.cfg, judge.prompt
+
+    async def judge(self, response: str, record: Mapping[str, Any]) -> Verdict:
+        return await self.client.judge(response, record, self.log)
+
+    async def score(self, response: str, record: Mapping[str, Any]) -> float:
+        return await self.client.score(response, record, self.log)
+
+    async def ask(self, text: str) -> Verdict:
+        return await self.client.ask(text, self.log)

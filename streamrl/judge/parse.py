@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable
 
+from ..plugins import load_plugin
+
 Parser = Callable[[str, list[float]], "float | Awaitable[float]"]
 
 _YES = frozenset({"y", "yes", "true", "correct"})
@@ -41,13 +43,10 @@ def _short(text: str) -> str:
     return repr(text if len(text) <= 80 else text[:77] + "...")
 
 
+PARSERS: dict[str, Parser] = {"yes_no": yes_no, "number": number}
+
+
 def load_parser(spec: str) -> Parser:
     """`yes_no`, `number`, or a user's `module:function` / `file.py:function` (sync or async) called
-    as `fn(text, logprobs)`."""
-    if spec == "yes_no":
-        return yes_no
-    if spec == "number":
-        return number
-    from ..tasks.datasets import load_callable
-
-    return load_callable(spec, "judge parse function")
+    as `fn(text, logprobs)`; PluginError otherwise."""
+    return load_plugin(spec, "judge parse function", PARSERS)

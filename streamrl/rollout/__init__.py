@@ -1,9 +1,12 @@
 """Rollouts: engine pools and the manager that turns prompts into scored groups (no torch at import)."""
 
-from .build import build_pool, preflight
-from .lockstep import Lockstep, make_deterministic
-from .manager import RolloutCounters, RolloutFailed, RolloutManager
+from ..errors import RolloutFailed
+from .build import build_pool, check_prompts, preflight
+from .lockstep import FreeRunning, Lockstep
+from .manager import RolloutCounters, RolloutManager
 from .pools import EnginePool, LeastLoaded, LocalPool
+from .runner import Context, Episode, Runner
+from .tools import ToolBox
 
-__all__ = ["EnginePool", "LeastLoaded", "LocalPool", "Lockstep", "RolloutCounters", "RolloutFailed",
-           "RolloutManager", "build_pool", "make_deterministic", "preflight"]
+__all__ = ["Context", "EnginePool", "Episode", "FreeRunning", "LeastLoaded", "LocalPool", "Lockstep", "RolloutCounters",
+           "RolloutFailed", "RolloutManager", "Runner", "ToolBox", "build_pool", "check_prompts", "preflight"]

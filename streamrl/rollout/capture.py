@@ -30,7 +30,7 @@ import msgspec
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from .episode import Episode
+    from .runner import Episode
 
 
 class _Chat(msgspec.Struct, kw_only=True):
@@ -51,7 +51,7 @@ class _Completion(msgspec.Struct, kw_only=True):
 
 
 class CaptureServer:
-    """Started by the manager on first use (`Episode.openai_url`); one aiohttp app on 127.0.0.1."""
+    """Started on first use (`Episode.openai_url`, through runner.CaptureHost); one aiohttp app on 127.0.0.1."""
 
     def __init__(self) -> None:
         self.sessions: dict[str, Episode] = {}
@@ -126,7 +126,7 @@ class CaptureServer:
         renders otherwise (text that re-tokenizes differently, another end-of-turn token) the mismatch
         is counted and the generated tokens stand."""
         try:
-            full = ep.manager.encode(messages)
+            full = ep.encode(messages)
             last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
             history = ep.sample.prompt_ids if last is None else _render(ep, messages[:last + 1])
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
@@ -142,7 +142,7 @@ class CaptureServer:
             # What the template writes after the tokens generated (the end-of-turn token of an answer
             # cut at max_tokens) comes from the environment: appended masked, like the new messages.
             return history[len(so_far):] + full[len(history):]
-        ep.manager.counters.prefix_mismatch += 1
+        ep.ctx.runner.counters.prefix_mismatch += 1
         return full[len(history):]
 
     async def _completion(self, request: web.Request) -> web.Response:
@@ -153,8 +153,8 @@ class CaptureServer:
         if isinstance(req.prompt, list):
             rendered = list(req.prompt)
         else:  # as decoded with its special tokens; a leading <bos> may be left out
-            rendered = ep.manager.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-            bos = ep.manager.tokenizer.bos_token_id
+            rendered = ep.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+            bos = ep.tokenizer.bos_token_id
             if rendered[:len(so_far)] != so_far and bos is not None and so_far[:1] == [bos]:
                 rendered = [bos, *rendered]
         if rendered[:len(so_far)] != so_far:
@@ -173,13 +173,13 @@ class CaptureServer:
             ep.observe_ids(new)
         turn = await ep.generate(max_new_tokens=max_tokens, stop=[stop] if isinstance(stop, str) else stop)
         ids = ep.sample.response_ids[turn.start:turn.end]
-        if turn.finish == "stop" and ids and ids[-1] in ep.manager.tokenizer.all_special_ids:
+        if turn.finish == "stop" and ids and ids[-1] in ep.tokenizer.all_special_ids:
             ids = ids[:-1]  # the end-of-turn token: the template writes it again when it renders the answer
-        return ep.manager.tokenizer.decode(ids, skip_special_tokens=False), turn
+        return ep.tokenizer.decode(ids, skip_special_tokens=False), turn
 
 
 def _render(ep: Episode, messages: list[dict[str, Any]]) -> list[int]:
-    out = ep.manager.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    out = ep.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 

@@ -1,6 +1,7 @@
-"""Held-out evaluation: one response per held-out record through the engines (not the trainer),
-scored by the evaluation's reward (`data.eval_reward`, else the training reward), and, where the two
-differ (a judge checked against exact match), how often they agree."""
+"""Held-out evaluation: one response per held-out record through the engines (not the trainer), built by
+the run's workflow and sampled as training samples (the runner's parameters, at the evaluation's
+temperature and seed), scored by the evaluation's reward (`data.eval_reward`, else the training
+reward), and, where the two differ (a judge checked against exact match), how often they agree."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import inspect
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..judge import JudgeError
+from ..errors import JudgeError, RolloutFailed
 from ..types import Sample
-from .episode import Episode
 
 if TYPE_CHECKING:
     from .manager import RolloutManager
@@ -24,8 +24,6 @@ async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int
     and the share of responses on which the evaluation and training rewards agree (both >= 0.5 or both
     below; None where they are one reward, or with `compare` off). A response whose evaluation reward
     fails (a judge's) counts in neither; one whose training reward fails, in the mean only."""
-    from .manager import RolloutFailed
-
     records = m.task.held_out if records is None else records
     if not records:
         return float("nan"), None
@@ -33,7 +31,7 @@ async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int
 
     async def reward(score: Any, text: str, r: dict[str, Any]) -> float | None:
         try:
-            out = score(text, r)
+            out = score(text, r, m.judge)
             return float(await out) if inspect.isawaitable(out) else float(out)
         except JudgeError:
             return None  # counted by the judge; one judgment is no reason to stop the run
@@ -41,15 +39,10 @@ async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int
             raise RolloutFailed(f"held-out evaluation: the reward function raised {type(e).__name__}: {e}") from e
 
     async def one(i: int, r: dict[str, Any]) -> tuple[float | None, float | None]:
-        params = {"max_new_tokens": m.cfg.max_new_tokens, "temperature": temperature, "sampling_seed": seed + i}
         rid = f"eval-{seed}-{i}-{time.monotonic_ns()}"
-        if m.workflow is None:
-            res = await m.pool.generate(m.encode(r["prompt"]), params, rid)
-            text = m.decode(res["output_ids"])
-        else:  # every turn of the workflow, the tools included
-            s = Sample(group_id=rid, prompt_ids=m.encode(r["prompt"]), meta={"answer": r.get("answer", "")})
-            await m.workflow(r, Episode(m, s, r, sampling={"temperature": temperature, "sampling_seed": seed + i}))
-            text = m.tokenizer.decode(s.response_ids, skip_special_tokens=False)
+        s = Sample(group_id=rid, prompt_ids=m.encode(r["prompt"]), meta={"answer": r.get("answer", "")})
+        await m.run_episodes([s], r, sampling={"temperature": temperature, "sampling_seed": seed + i})
+        text = m.response_text(s)
         ev = await reward(m.task.score_eval, text, r)
         return ev, (await reward(m.task.score, text, r) if compare else None)
 
@@ -60,4 +53,3 @@ async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int
     both = [(e, t) for e, t in pairs if e is not None and t is not None]
     agreement = sum((e >= 0.5) == (t >= 0.5) for e, t in both) / len(both) if both else None
     return sum(scores) / len(scores), agreement
-

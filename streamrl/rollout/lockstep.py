@@ -1,4 +1,8 @@
-"""Lockstep: `controller.deterministic`, an async run whose every scheduling decision follows logical
+"""How the rollout side is scheduled: a strategy the manager is given.
+
+`FreeRunning` (the default): groups, requests and weight pushes go as they come, in wall-clock order.
+
+`Lockstep` (`controller.deterministic`): an async run whose every scheduling decision follows logical
 events instead of wall time, so two runs of one config and seed are the same run.
 
 What varies with wall time in a free-running async run, and what decides it here instead:
@@ -24,8 +28,12 @@ takes each batch whole (no computing on its first groups while the last ones gen
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from ..buffer import RolloutBuffer, StalenessController
 from ..buffer.waiters import Waiters
@@ -33,17 +41,60 @@ from ..types import Group
 
 if TYPE_CHECKING:
     from ..engine import TorchEngine
-    from .manager import RolloutManager
     from .pools import EnginePool
+
+Counters = Callable[[], dict[str, Any]]
+
+
+class FreeRunning:
+    """Every decision in wall-clock order. The manager calls the same hooks on every strategy: the
+    admission and engine-wait hooks do nothing here."""
+
+    wall_clock = True  # samples carry their groups' wall-clock timings
+    whole_batches = False  # the trainer computes a batch's groups as they may be trained
+
+    def __init__(self, *, buffer: RolloutBuffer, pool: EnginePool, seed: int = 0) -> None:
+        self.buffer, self.pool = buffer, pool
+        self.next_seed = seed * 1_000_003  # one per episode: a checkpoint holds where it stands
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def enter(self) -> None: ...
+
+    def leave(self) -> None: ...
+
+    def group_id(self, order: int) -> str:
+        return uuid.uuid4().hex[:12]
+
+    def seed(self, key: str) -> int:
+        self.next_seed += 1
+        return self.next_seed - 1
+
+    async def deliver(self, order: int, group: Group) -> None:
+        await self.buffer.put(group)
+
+    async def publish(self, weights: Any, version: int, pause_mode: str, counters: Counters) -> float:
+        return await self.pool.push_weights(weights, version, pause_mode)
+
+    def landed(self, version: int) -> dict[str, Any] | None:
+        """The rollout counters as they stood when `version` landed (Lockstep); None: read them now."""
+        return None
 
 
 class Lockstep:
+    wall_clock = False  # a reproducible run's samples hold nothing of wall time
+    whole_batches = True  # the groups were judged and placed in their batch as they finished
+
     def __init__(self, *, controller: StalenessController, buffer: RolloutBuffer, pool: EnginePool, steps: int,
-                 pause_mode: str, counters: Callable[[], dict[str, Any]]) -> None:
-        """`steps`: the versions the run will push; `counters`: the rollout counters a metrics row reads,
-        taken at each landing (`landed_counters`)."""
-        self.controller, self.buffer, self.pool = controller, buffer, pool
-        self.steps, self.pause_mode, self.counters = steps, pause_mode, counters
+                 seed: int = 0) -> None:
+        """`steps`: the versions the run will push. Puts `pool`'s engine in lockstep: it asks before every
+        step and admits requests in id order, and `buffer` pops in the order groups were placed."""
+        self.controller, self.buffer, self.pool, self.steps, self._seed = controller, buffer, pool, steps, seed
+        self.next_seed = 0  # seeds are functions of the request, not a sequence
+        self.counters: Counters = dict
+        self.pause_mode = "abort"
         self.active = False  # only while the producer runs: evaluations before and after go through freely
         self.busy = 0  # group tasks (and the admission of one) not waiting for the engine
         self.kept = 0  # groups placed in batches
@@ -52,6 +103,22 @@ class Lockstep:
         self._landed: dict[int, asyncio.Future[float]] = {}
         self.landed_counters: dict[int, dict[str, Any]] = {}  # version -> the counters at its landing
         self._changed = Waiters()
+        buffer.cfg = msgspec.structs.replace(buffer.cfg, priority="fifo")
+        for engine in pool.engines:  # type: ignore[attr-defined] - LocalPool (config-checked)
+            engine.step_gate = self
+            engine.scheduler.order_key = _rid
+
+    def group_id(self, order: int) -> str:
+        return f"g{order}"  # their requests are admitted in id order
+
+    def seed(self, key: str) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{self._seed}:{key}".encode(), digest_size=8).digest()) >> 1
+
+    async def deliver(self, order: int, group: Group) -> None:
+        self._finished.append((order, group))  # placed in its batch at the next settled point
+
+    def landed(self, version: int) -> dict[str, Any] | None:
+        return self.landed_counters.pop(version)
 
     # ---- the rollout side reports ----------------------------------------------------------------
     def start(self) -> None:
@@ -86,13 +153,11 @@ class Lockstep:
             r.on_finish = answered
         self.leave()
 
-    def finished(self, order: int, group: Group) -> None:
-        """A scored group, to be placed in its batch at the next settled point."""
-        self._finished.append((order, group))
-
     # ---- the trainer side ------------------------------------------------------------------------
-    async def publish(self, weights: Any, version: int) -> float:
-        """Offer `version`'s weights; returns the push's seconds once they landed."""
+    async def publish(self, weights: Any, version: int, pause_mode: str, counters: Counters) -> float:
+        """Offer `version`'s weights; returns the push's seconds once they landed. `counters`: the rollout
+        counters a metrics row reads, taken at the landing (`landed`)."""
+        self.pause_mode, self.counters = pause_mode, counters
         self._offered[version] = weights
         self._changed.wake()
         return await self._landing(version)
@@ -142,21 +207,6 @@ class Lockstep:
         self.controller.set_version(version)
         self._landing(version).set_result(seconds)
 
-
-
-def make_deterministic(manager: RolloutManager) -> Lockstep:
-    """Put a manager's run in lockstep: it reports to the Lockstep, its pool's engine asks it before
-    every step and admits requests in id order, and its buffer pops in the order groups were placed."""
-    import msgspec
-
-    lockstep = Lockstep(controller=manager.controller, buffer=manager.buffer, pool=manager.pool,
-                        steps=(manager.controller.max_groups or 0) // manager.controller.batch_groups,
-                        pause_mode=manager.pause_mode, counters=manager.rollout_counters)
-    manager.buffer.cfg = msgspec.structs.replace(manager.buffer.cfg, priority="fifo")
-    for engine in manager.pool.engines:  # type: ignore[attr-defined] - LocalPool (config-checked)
-        engine.step_gate = lockstep
-        engine.scheduler.order_key = _rid
-    return lockstep
 
 
 def _rid(request: Any) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from ..config import EnginesConfig
-from .manager import RolloutFailed
+from ..errors import RolloutFailed
 from .pools import LeastLoaded
 
 log = logging.getLogger("streamrl.http_pool")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ToolsConfig
+from ..plugins import load_plugin
 
 _OPS: dict[type, Callable[[Any, Any], Any]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -65,13 +66,12 @@ class ToolBox:
     """The tools of one run, by name, from `tools.*`."""
 
     def __init__(self, cfg: ToolsConfig) -> None:
-        from ..tasks.datasets import load_callable  # the same `module:function` lookup as rewards
-
+        """PluginError when a tool cannot be loaded."""
         self.cfg = cfg
         self.tools: dict[str, Callable[[str], Any]] = {}
         for spec in cfg.functions:
             name, eq, target = spec.partition("=")
-            self.tools[name] = load_callable(target, "tool") if eq else BUILTIN[name]
+            self.tools[name] = load_plugin(target if eq else name, "tool", None if eq else BUILTIN)
 
     async def call(self, name: str, args: str) -> ToolResult:
         """Run one call; every failure becomes an error observation, never an exception."""

@@ -1,5 +1,6 @@
-"""Tasks: the built-in 2-digit addition with its warm start, user tasks (prompt files, reward functions),
-the run's starting model (`prepare_model`: the tiny model builder, then the cached warm start)."""
+"""Tasks: the built-in ones (one module each: prompts, reward, warm start; `builtin.BUILTIN_TASKS`), user
+tasks (prompt files, reward functions), the tiny model builder, and the cached warm starts that make a
+run's starting model (`warm.prepare_model`)."""
 
 from streamrl.tasks.addition import (
     AdditionSplit,
@@ -10,7 +11,15 @@ from streamrl.tasks.addition import (
     split_pairs,
     to_records,
 )
-from streamrl.tasks.datasets import Task, is_async_reward, load_prompts, load_reward_fn, load_task
+from streamrl.tasks.builtin import BUILTIN_TASKS, BuiltinTask
+from streamrl.tasks.datasets import (
+    Task,
+    is_async_reward,
+    judge_reward,
+    load_prompts,
+    load_reward_fn,
+    load_task,
+)
 from streamrl.tasks.tiny_model import (
     AGENT_TOKENS,
     BOS_ID,
@@ -23,23 +32,26 @@ from streamrl.tasks.tiny_model import (
     char_tokenizer_ids,
     count_parameters,
 )
-from streamrl.tasks.warm_start import prepare_model
+from streamrl.tasks.warm import prepare_model
 
 __all__ = [
     "AGENT_TOKENS",
     "BOS_ID",
+    "BUILTIN_TASKS",
     "EOS_ID",
     "PAD_ID",
     "PRESETS",
     "TOKENS",
     "UNK_ID",
     "AdditionSplit",
+    "BuiltinTask",
     "Task",
     "addition_prompts",
     "build_tiny_model",
     "char_tokenizer_ids",
     "count_parameters",
     "is_async_reward",
+    "judge_reward",
     "load_prompts",
     "load_reward_fn",
     "load_task",

@@ -14,7 +14,6 @@ judge is served (streamrl/judge).
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -23,8 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import addition
+from .addition import make_prompt, split_pairs
+from .addition import reward as exact_match
 from .tiny_model import BOS_ID, CHARS, EOS_ID, PAD_ID, char_tokenizer_ids
+from .warm import cosine, loss_window, save_trained
 
 TEMPLATE = "{prompt}{response};{answer}>"  # the judge's prompt: configs/judge.yaml's judge.prompt_template
 _JUNK = [c for c in CHARS if c != ">"] + [">"]
@@ -32,7 +33,7 @@ _JUNK = [c for c in CHARS if c != ">"] + [">"]
 
 def judge_text(a: int, b: int, response: str) -> str:
     """What the judge should write for `response` to ``a+b=``: ``y`` or ``n``, the exact match."""
-    return "y" if addition.reward(response, str(a + b)) == 1.0 else "n"
+    return "y" if exact_match(response, str(a + b)) == 1.0 else "n"
 
 
 def sample_response(rng: random.Random, a: int, b: int) -> str:
@@ -60,7 +61,7 @@ def examples(pairs: list[tuple[int, int]], n: int, rng: random.Random) -> list[t
     for _ in range(n):
         a, b = rng.choice(pairs)
         response = sample_response(rng, a, b)
-        out.append((TEMPLATE.format(prompt=addition.make_prompt(a, b), response=response, answer=a + b), judge_text(a, b, response)))
+        out.append((TEMPLATE.format(prompt=make_prompt(a, b), response=response, answer=a + b), judge_text(a, b, response)))
     return out
 
 
@@ -113,14 +114,16 @@ def verdict(text: str) -> float | None:
 
 
 def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 1500, batch_size: int = 128,
-               lr: float = 2e-3, label_noise: float = 0.0, seed: int = 0, device: str = "cpu",
-               eval_examples: int = 2000) -> dict[str, Any]:
+               lr: float = 1e-3, label_noise: float = 0.0, seed: int = 0, device: str = "cpu",
+               eval_examples: int = 2000, warmup_steps: int = 100) -> dict[str, Any]:
     """Supervised steps on judge examples of the train pairs (a fraction `label_noise` of verdicts
     flipped), then the judge's agreement with exact match on examples of the held-out pairs; the
-    model saved as an HF folder at `out_dir` with its metrics in `warm_start.json`."""
+    model saved as an HF folder at `out_dir` with its metrics in `warm_start.json`. The learning rate
+    warms up over `warmup_steps`: started at full rate, the comparison it must learn stalls well below
+    the rule's agreement (docs/judge.md)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    split = addition.split_pairs(seed)
+    split = split_pairs(seed)
     train, held = list(split.train), list(split.held_out)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").to(device)
     if model.config.vocab_size <= max(char_tokenizer_ids("yn")):
@@ -128,7 +131,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 1500,
     rng = random.Random(f"judge-{seed}")
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps, warmup_steps))
     model.train()
     t0, losses = time.perf_counter(), []
     for _ in range(steps):
@@ -149,11 +152,8 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 1500,
     agree = sum(verdict(g) == verdict(t) for g, (_, t) in zip(texts, test, strict=True)) / len(test)
     false_yes = sum(verdict(g) == 1.0 and t == "n" for g, (_, t) in zip(texts, test, strict=True)) / len(test)
     false_no = sum(verdict(g) != 1.0 and t == "y" for g, (_, t) in zip(texts, test, strict=True)) / len(test)
-    w = max(1, min(20, steps // 5))
     metrics = {"steps": steps, "batch_size": batch_size, "lr": lr, "label_noise": label_noise, "seed": seed,
-               "loss_first": sum(losses[:w]) / w, "loss_last": sum(losses[-w:]) / w, "train_seconds": train_s,
+               "warmup_steps": warmup_steps, **loss_window(losses), "train_seconds": train_s,
                "held_out_agreement": agree, "held_out_false_yes": false_yes,
                "held_out_false_no": false_no, "held_out_examples": len(test)}
-    from .warm_start import save_trained
-
     return save_trained(model, tokenizer, out_dir, metrics)

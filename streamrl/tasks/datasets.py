@@ -8,17 +8,17 @@ or how a reward is awaited (a resolved callable may be sync or async: the caller
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import json
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, DataConfig
+from ..plugins import PluginError, load_plugin
+from .addition import reward as exact_match
+from .builtin import BUILTIN_TASKS
 
 _MISSING = object()
 # Where verl and slime files keep the reference answer: named in the hint of a missing answer_key.
@@ -145,53 +145,14 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str =
     return _normalise(rows, p, prompt_key, answer_key, require_answer)
 
 
-def _import_module(module_name: str) -> Any:
-    # "path/to/file.py:fn" loads a file directly, so a one-off reward needs no package.
-    if module_name.endswith(".py"):
-        file = Path(module_name)
-        if not file.is_file():
-            raise ValueError(f"reward module file {file} does not exist")
-        spec = importlib.util.spec_from_file_location(f"_streamrl_reward_{file.stem}", file)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"cannot load reward module file {file}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        # Only report "not found" when it is the named module (or a parent) that is missing; a missing
-        # dependency *inside* the module is a different problem and must not be disguised as this one.
-        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"reward module {module_name!r} not found (is it on PYTHONPATH?)") from e
-        raise ValueError(f"reward module {module_name!r} failed to import: {e}") from e
-
-
-def load_callable(spec: str, what: str = "reward function") -> Callable[..., Any]:
-    """Resolve ``"package.module:function"`` (or ``"module:Class.method"``, ``"file.py:function"``).
-
-    Returns the callable as is, sync or async. Raises ValueError naming what is wrong (a malformed
-    spec, a missing module, a missing attribute, or a value that is not callable), with `what` it
-    was meant to be.
-    """
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ValueError(f"{what} spec {spec!r} must look like 'module:function'")
-    obj: Any = _import_module(module_name)
-    walked = module_name
-    for attr in attr_path.split("."):
-        if not hasattr(obj, attr):
-            raise ValueError(f"{what} {spec!r}: {walked!r} has no attribute {attr!r}")
-        obj = getattr(obj, attr)
-        walked = f"{walked}:{attr}" if walked == module_name else f"{walked}.{attr}"
-    if not callable(obj):
-        raise ValueError(f"{what} {spec!r} is a {type(obj).__name__}, which is not callable")
-    return obj
-
-
 def load_reward_fn(spec: str) -> Callable[..., Any]:
-    return load_callable(spec, "reward function")
+    """A reward function `module:function` / `file.py:function` (sync or async); PluginError otherwise."""
+    return load_plugin(spec, "reward function")
+
+
+async def judge_reward(response: str, answer: Any, *, record: Mapping[str, Any], judge: Any) -> float:
+    """`data.reward: judge`: the judge's score of the response."""
+    return await judge.score(response, record)
 
 
 def is_async_reward(fn: Callable[..., Any]) -> bool:
@@ -203,14 +164,15 @@ def is_async_reward(fn: Callable[..., Any]) -> bool:
 
 @dataclass
 class Task:
-    """What a run trains and evaluates on: prompt records, the reward that scores a response, and the
-    held-out evaluation's reward (`eval_fn`; None = `reward_fn`)."""
+    """What a run trains and evaluates on: prompt records, the reward that scores a response, the
+    held-out evaluation's reward (`eval_fn`; None = `reward_fn`), and a built-in task's warm starts."""
 
     train: list[dict[str, Any]]
     held_out: list[dict[str, Any]]
     reward_fn: Callable[..., Any]
     eval_fn: Callable[..., Any] | None = None
-    judge: Any = None  # the judge client (streamrl.judge), given to rewards that take `judge`
+    warm_start: Callable[..., dict[str, Any]] | None = None  # the policy's (tasks.warm), a built-in task's
+    judge_warm_start: Callable[..., dict[str, Any]] | None = None  # a judge that grades this task
 
     def __post_init__(self) -> None:
         self._extras = {id(f): _reward_extras(f) for f in (self.reward_fn, self.eval_fn) if f is not None}
@@ -219,18 +181,19 @@ class Task:
     def needs_judge(self) -> bool:
         return any("judge" in e for e in self._extras.values())
 
-    def score(self, response: str, record: Mapping[str, Any]) -> Any:
+    def score(self, response: str, record: Mapping[str, Any], judge: Any = None) -> Any:
         """`reward_fn` on a response to `record` (a prompt record, or a group's copy of one): as
-        ``fn(response, answer)``, plus ``data_source=``, ``metadata=``, ``record=`` and ``judge=`` for a
-        function that names them, or verl's ``compute_score(data_source, solution_str, ground_truth,
-        extra_info)``. Returns what the function returns (an awaitable for an async one)."""
-        return self._call(self.reward_fn, response, record)
+        ``fn(response, answer)``, plus ``data_source=``, ``metadata=``, ``record=`` and ``judge=`` (the
+        `judge` given here) for a function that names them, or verl's ``compute_score(data_source,
+        solution_str, ground_truth, extra_info)``. Returns what the function returns (an awaitable for
+        an async one)."""
+        return self._call(self.reward_fn, response, record, judge)
 
-    def score_eval(self, response: str, record: Mapping[str, Any]) -> Any:
+    def score_eval(self, response: str, record: Mapping[str, Any], judge: Any = None) -> Any:
         """The held-out evaluation's reward (`eval_fn`, else `reward_fn`), called as `score` calls."""
-        return self._call(self.eval_fn or self.reward_fn, response, record)
+        return self._call(self.eval_fn or self.reward_fn, response, record, judge)
 
-    def _call(self, fn: Callable[..., Any], response: str, record: Mapping[str, Any]) -> Any:
+    def _call(self, fn: Callable[..., Any], response: str, record: Mapping[str, Any], judge: Any) -> Any:
         answer, extras = record.get("answer", ""), self._extras[id(fn)]
         if not extras:
             return fn(response, answer)
@@ -239,7 +202,7 @@ class Task:
         if "solution_str" in extras:
             return fn(data_source=data_source, solution_str=response, ground_truth=answer,
                       extra_info=metadata.get("extra_info"))
-        given = {"data_source": data_source, "metadata": metadata, "record": record, "judge": self.judge}
+        given = {"data_source": data_source, "metadata": metadata, "record": record, "judge": judge}
         return fn(response, answer, **{k: v for k, v in given.items() if k in extras})
 
 
@@ -267,12 +230,10 @@ def _reward(spec: str | None, default: Callable[..., Any], key: str) -> Callable
 
         return math_reward
     if spec == "judge":
-        from ..judge import judge_reward
-
         return judge_reward
     try:
         return load_reward_fn(spec)
-    except (ValueError, ImportError) as e:
+    except PluginError as e:
         raise ConfigError(key, str(e)) from None
 
 
@@ -282,17 +243,11 @@ def load_task(cfg: DataConfig, *, seed: int = 0, judge: bool = False) -> Task:
     own exact match (`data.eval_reward` likewise for the held-out evaluation). `judge`: whether a judge
     will be given to rewards that take one. A file, key or reward that cannot be loaded is a ConfigError
     naming its key."""
-    from . import addition
-
-    reward: Callable[..., Any] = addition.reward
-    if cfg.task == "addition":
-        train = addition.addition_prompts("train", seed=seed)
-        held = addition.addition_prompts("held_out", seed=seed)
-    elif cfg.task == "multiply":
-        from . import multiply
-
-        train, held = multiply.multiply_prompts("train", seed=seed), multiply.multiply_prompts("held_out", seed=seed)
-        reward = multiply.reward
+    builtin = BUILTIN_TASKS.get(cfg.task or "")
+    reward: Callable[..., Any] = exact_match  # the task's own exact match, also for files ("task")
+    if builtin is not None:
+        train, held = builtin.prompts("train", seed=seed), builtin.prompts("held_out", seed=seed)
+        reward = builtin.reward
     else:
         assert cfg.path is not None  # validate() guarantees exactly one of task / path
         # A key the user set, or an answer the math reward needs, must exist: a typo would score 0 forever.
@@ -307,7 +262,9 @@ def load_task(cfg: DataConfig, *, seed: int = 0, judge: bool = False) -> Task:
         train, held = records[n_eval:], records[:n_eval]
     train_fn = _reward(cfg.reward, reward, "data.reward")
     eval_fn = None if cfg.eval_reward is None else _reward(cfg.eval_reward, reward, "data.eval_reward")
-    task = Task(train=train, held_out=held[: cfg.eval_size], reward_fn=train_fn, eval_fn=eval_fn)
+    task = Task(train=train, held_out=held[: cfg.eval_size], reward_fn=train_fn, eval_fn=eval_fn,
+                warm_start=builtin.warm_start if builtin else None,
+                judge_warm_start=builtin.judge_warm_start if builtin else None)
     if task.needs_judge and not judge:
         key = "data.reward" if "judge" in task._extras[id(train_fn)] else "data.eval_reward"
         raise ConfigError(key, "the reward takes a `judge` argument: set judge.enabled: true (and judge.model.*)")

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .warm import loss_window, save_trained
+
 RESULT_CLOSE, EOS_TEXT = "</result>", "<eos>"
 
 
@@ -81,10 +83,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 300, 
         opt.step()
         sched.step()
         losses.append(loss.item())
-    window = max(1, min(20, steps // 5))
     metrics = {"task": "multiply", "steps": steps, "batch_size": batch_size, "lr": lr, "label_noise": label_noise,
-               "seed": seed, "loss_first": sum(losses[:window]) / window, "loss_last": sum(losses[-window:]) / window,
+               "seed": seed, **loss_window(losses),
                "train_seconds": time.perf_counter() - t0}
-    from .warm_start import save_trained
-
     return save_trained(model, tok, out_dir, metrics)

@@ -73,14 +73,7 @@ def policy_loss(
 
     Reading the stats synchronises with the device once per call.
     """
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
-    for name, t in (("old_logp", old_logp), ("mask", mask), ("prox_logp", prox_logp), ("ref_logp", ref_logp)):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(logp.shape)}")
-    if cfg.kl_coef > 0 and ref_logp is None:
-        raise ValueError("kl_coef > 0 needs ref_logp")
-
+    _check_shapes(logp, cfg, old_logp=old_logp, mask=mask, prox_logp=prox_logp, ref_logp=ref_logp)
     m = mask.bool()  # [B, T]
     mf = m.to(logp.dtype)  # [B, T]
     # Clamped so an all-masked micro-batch gives loss 0 with an intact graph instead of NaN.
@@ -110,19 +103,7 @@ def policy_loss(
     pg_tok = torch.maximum(surr, surr_clipped)  # [B, T]; = -min(rA, clip(r)A)
     clip_taken = (surr_clipped > surr) & m  # [B, T]
 
-    # Behaviour importance weight pi_prox/pi_behav: a constant per token, never differentiated.
-    if cfg.loss == "grpo":
-        weight = torch.ones_like(logp)  # [B, T]
-        over_cap = torch.zeros_like(m)  # [B, T]
-    else:
-        w = torch.exp(torch.where(m, anchor - behav, 0.0))  # [B, T]
-        if cfg.loss == "decoupled_ppo":
-            cap = cfg.behav_imp_weight_cap
-            over_cap = (w > cap) & m if cap is not None else torch.zeros_like(m)  # [B, T]
-            weight = torch.where(over_cap, 0.0, w)  # [B, T]
-        else:
-            over_cap = (w > cfg.tis_cap) & m  # [B, T]
-            weight = w.clamp(max=cfg.tis_cap)  # [B, T]
+    weight, over_cap = _behaviour_weight(cfg, m, anchor, behav)  # [B, T] each
     pg_tok = pg_tok * weight  # [B, T]
 
     pg_loss = (pg_tok * mf).sum() / n_tok  # scalar
@@ -135,17 +116,41 @@ def policy_loss(
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl
 
+    return loss, _stats(mf, n_tok, loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_taken.to(mf.dtype),
+                        ratio_mean=ratio, imp_weight_mean=weight, cap_frac=over_cap.to(mf.dtype))
+
+
+def _check_shapes(logp: torch.Tensor, cfg: TrainerConfig, **others: torch.Tensor | None) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    for name, t in others.items():
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(logp.shape)}")
+    if cfg.kl_coef > 0 and others.get("ref_logp") is None:
+        raise ValueError("kl_coef > 0 needs ref_logp")
+
+
+def _behaviour_weight(cfg: TrainerConfig, m: torch.Tensor, anchor: torch.Tensor,
+                      behav: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behaviour importance weight pi_prox/pi_behav as the loss kind applies it, a constant per
+    token (never differentiated), and the tokens whose weight left the cap. All [B, T]."""
+    if cfg.loss == "grpo":
+        return torch.ones_like(anchor), torch.zeros_like(m)
+    w = torch.exp(torch.where(m, anchor - behav, 0.0))  # [B, T]
+    if cfg.loss == "decoupled_ppo":
+        cap = cfg.behav_imp_weight_cap
+        over_cap = (w > cap) & m if cap is not None else torch.zeros_like(m)  # [B, T]
+        return torch.where(over_cap, 0.0, w), over_cap
+    over_cap = (w > cfg.tis_cap) & m  # [B, T]
+    return w.clamp(max=cfg.tis_cap), over_cap
+
+
+def _stats(mf: torch.Tensor, n_tok: torch.Tensor, *, loss: torch.Tensor, pg_loss: torch.Tensor, kl: torch.Tensor,
+           **per_token: torch.Tensor) -> dict[str, float]:
+    """The scalars, and each per-token tensor's mean over the masked tokens, as Python floats."""
     with torch.no_grad():
-        named = {
-            "loss": loss,
-            "pg_loss": pg_loss,
-            "kl": kl,
-            "clip_frac": clip_taken.to(mf.dtype).sum() / n_tok,
-            "ratio_mean": (ratio * mf).sum() / n_tok,
-            "imp_weight_mean": (weight * mf).sum() / n_tok,
-            "cap_frac": over_cap.to(mf.dtype).sum() / n_tok,
-            "num_tokens": mf.sum(),
-        }
+        named = {"loss": loss, "pg_loss": pg_loss, "kl": kl,
+                 **{k: (v * mf).sum() / n_tok for k, v in per_token.items()}, "num_tokens": mf.sum()}
         # One stack + tolist: a single device-to-host sync instead of one per stat.
         values = torch.stack([v.detach().to(torch.float64) for v in named.values()]).tolist()
-    return loss, dict(zip(named, values, strict=True))
+    return dict(zip(named, values, strict=True))
