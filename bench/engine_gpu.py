@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--generate-new", type=int, default=64)
     ap.add_argument("--runner", default="paged", choices=["paged", "slots"], help="TorchEngine's runner")
     ap.add_argument("--skip-generate", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS / "engine_gpu.json"))
+    ap.add_argument("--out", default=str(RESULTS / "gpu.json"), help="its `engine` part")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"TorchEngine ({args.runner}) vs generate, Qwen2.5-0.5B shape, bf16, {args.prompt}-token prompts, "
                 f"{args.new} new tokens (generate: {args.generate_new})", cols,
                 ([r.get(c) for c in cols] for r in rows))
-    write_results(args.out, {"device": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": round(bw / 1e12, 2),
+    write_results(args.out, section="engine", meta={"device": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": round(bw / 1e12, 2),
                              "prompt": args.prompt, "new": args.new, "generate_new": args.generate_new,
-                             "runner": args.runner}, rows)
+                             "runner": args.runner}, rows=rows)
     return 0
 
 

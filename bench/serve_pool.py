@@ -8,7 +8,7 @@ the Serve path (handle, router, streaming, the extra process hop) per request.
 Part 2, weight updates: `weight_sync.load` (one `ray.put`, a broadcast, every replica pulls the object
 and loads it) for 1, 2 and 4 replicas, for the tiny model and a larger one, median of 5 updates.
 
-One Ray session for the whole run. Writes bench/results/serve_pool.json.
+One Ray session for the whole run. Writes the `ray_serve` part of bench/results/pools.json.
 
     python bench/serve_pool.py [--requests 256] [--models tiny,bench100m]
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from _table import write_results
 
 from streamrl.config import EnginesConfig
 from streamrl.engine import TorchEngine
@@ -153,9 +153,8 @@ def main() -> int:
         args.models = "tiny," + args.models
     out = asyncio.run(main_async(args))
     summarize(out)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve_pool.json").write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {RESULTS / 'serve_pool.json'}")
+    write_results(RESULTS / "pools.json", {"requests": args.requests, "models": args.models}, out["requests"],
+                  section="ray_serve", overhead=out["overhead"], broadcast=out["broadcast"])
     return 0
 
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kv-tokens", type=int, default=262144, help="the engine's KV pool (engines.max_total_tokens)")
-    ap.add_argument("--out", default=str(RESULTS / "weight_sync_gpu.json"))
+    ap.add_argument("--out", default=str(RESULTS / "gpu.json"), help="its `weights` part")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["method", "seconds", "restore_s", "engine_gib_serving", "engine_gib_released", "released_frac"]
     print_table("weight updates and engine memory, Qwen2.5-0.5B shape (494 M parameters), one GPU", cols,
                 ([r.get(c) for c in cols] for r in rows))
-    write_results(args.out, {"device": torch.cuda.get_device_name(), "kv_tokens": args.kv_tokens,
-                             "repeats": args.repeats}, rows)
+    write_results(args.out, section="weights", meta={"device": torch.cuda.get_device_name(), "kv_tokens": args.kv_tokens,
+                             "repeats": args.repeats}, rows=rows)
     return 0
 
 

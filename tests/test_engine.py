@@ -167,11 +167,29 @@ async def test_abort_returns_partial_output(engine_model_dir: Path) -> None:
     assert w["meta_info"]["finish_reason"]["type"] == "abort" and w["output_ids"] == []
 
 
+async def running(eng: TorchEngine, prompt: list[int], params: dict) -> asyncio.Future[dict]:
+    """A request known to run: its first token has streamed back (an event, not a sleep, so a fast
+    GPU cannot finish it, nor a slow machine not yet start it, before the caller acts). Returns the
+    future of its final result; the rest of its stream is read in the background."""
+    stream = eng.generate_stream(prompt, params)
+    first = await stream.__anext__()
+    assert not first.finished and first.token_ids
+
+    async def rest() -> dict:
+        async for chunk in stream:
+            if chunk.finished:
+                assert chunk.result is not None
+                return chunk.result
+        raise AssertionError("the stream ended without a result")
+
+    return asyncio.ensure_future(rest())
+
+
 async def test_pause_abort_and_in_place(engine_model_dir: Path) -> None:
+    params = {"max_new_tokens": 40, **GREEDY}
     async with engine(engine_model_dir) as eng:
-        ref = await eng.generate(PROMPTS[2], {"max_new_tokens": 40, **GREEDY})
-        task = asyncio.ensure_future(eng.generate(PROMPTS[2], {"max_new_tokens": 40, **GREEDY}))
-        await asyncio.sleep(0.02)
+        ref = await eng.generate(PROMPTS[2], params)
+        task = await running(eng, PROMPTS[2], params)
         await eng.pause("in_place")
         frozen = eng.stats()["running"]
         late = asyncio.ensure_future(eng.generate(PROMPTS[0], {"max_new_tokens": 3, **GREEDY}))
@@ -181,12 +199,11 @@ async def test_pause_abort_and_in_place(engine_model_dir: Path) -> None:
         assert (await task)["output_ids"] == ref["output_ids"]  # in_place loses nothing
         await late
 
-        task = asyncio.ensure_future(eng.generate(PROMPTS[2], {"max_new_tokens": 40, **GREEDY}))
-        await asyncio.sleep(0.02)
+        task = await running(eng, PROMPTS[2], params)
         await eng.pause("abort")
         r = await task
         assert r["meta_info"]["finish_reason"]["type"] == "abort"
-        assert r["output_ids"] == ref["output_ids"][: len(r["output_ids"])]
+        assert 0 < len(r["output_ids"]) < 40 and r["output_ids"] == ref["output_ids"][: len(r["output_ids"])]
         blocked = asyncio.ensure_future(eng.generate(PROMPTS[0], {"max_new_tokens": 3, **GREEDY}))
         await asyncio.sleep(0.05)
         assert not blocked.done()

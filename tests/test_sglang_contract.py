@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from test_engine import running
 
 from streamrl.engine import Engine, EngineError, SamplingParams
 from streamrl.engine.sglang_engine import (
@@ -495,8 +496,7 @@ async def test_sglang_abort_returns_partial_output(sglang_gpu: None, sgl: SGLang
 async def test_sglang_pause_abort_and_in_place(sglang_gpu: None, sgl: SGLangEngine) -> None:
     ref = await sgl.generate(PROMPTS[2], {"max_new_tokens": 50, **GREEDY})
     try:
-        task = asyncio.ensure_future(sgl.generate(PROMPTS[2], {"max_new_tokens": 50, **GREEDY}))
-        await asyncio.sleep(0.02)
+        task = await running(sgl, PROMPTS[2], {"max_new_tokens": 50, **GREEDY})  # type: ignore[arg-type]
         await sgl.pause("in_place")
         late = asyncio.ensure_future(sgl.generate(PROMPTS[0], {"max_new_tokens": 3, **GREEDY}))
         await asyncio.sleep(0.1)
@@ -505,8 +505,7 @@ async def test_sglang_pause_abort_and_in_place(sglang_gpu: None, sgl: SGLangEngi
         assert (await task)["output_ids"] == ref["output_ids"]  # in_place loses nothing
         await late
 
-        task = asyncio.ensure_future(sgl.generate(PROMPTS[2], {"max_new_tokens": 50, **GREEDY}))
-        await asyncio.sleep(0.02)
+        task = await running(sgl, PROMPTS[2], {"max_new_tokens": 50, **GREEDY})  # type: ignore[arg-type]
         await sgl.pause("abort")
         r = await task
         assert r["meta_info"]["finish_reason"]["type"] == "abort"
