@@ -14,7 +14,8 @@ health checks, Ray resources, vLLM's own) live with their pool, not here. No tor
 from __future__ import annotations
 
 import argparse
-from typing import Annotated, Any
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import msgspec
 from msgspec import Meta
@@ -35,7 +36,7 @@ POOL_SETTINGS = frozenset({
 
 class EngineArgs(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     device: Annotated[str, Meta(description="auto | cpu | cuda (auto: cuda when a GPU is visible)")] = "auto"
-    dtype: Annotated[str, Meta(description="float32 | bfloat16 | float16")] = "float32"
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description="parameter dtype")] = "float32"
     max_running_requests: Annotated[int, Meta(ge=1, description="requests decoded together at most")] = 64
     max_total_tokens: Annotated[int | None, Meta(description="KV-cache tokens; none: the engine decides")] = None
     max_prefill_tokens: Annotated[int, Meta(ge=1, description="prompt tokens prefilled in one step at most")] = 8192
@@ -46,7 +47,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     kv_cache_fraction: Annotated[float, Meta(gt=0, le=1, description=(
         "CUDA, without max_total_tokens: the paged KV cache takes at most this fraction of the memory free "
         "after the weights"))] = 0.3
-    runner: Annotated[str, Meta(description="auto | paged | slots: the model runner")] = "auto"
+    runner: Annotated[Literal["auto", "paged", "slots"], Meta(description="the model runner")] = "auto"
     cpu_kernel: Annotated[bool, Meta(description="the compiled CPU decode attention where it builds")] = True
 
     @classmethod
@@ -87,6 +88,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
             kind = _scalar(f.type)
             if kind is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=meta)
+            elif get_origin(kind) is Literal:
+                parser.add_argument(flag, choices=get_args(kind), default=value, help=meta, dest=f.name)
             else:
                 parser.add_argument(flag, type=kind, default=value, help=meta, dest=f.name)
 
@@ -103,10 +106,10 @@ def _meta(tp: Any) -> str | None:
     return None
 
 
-def _scalar(tp: Any) -> type:
-    """The argparse type of a field: its base type, without Annotated or None."""
-    base = getattr(tp, "__origin__", tp)
-    base = tp.__args__[0] if base is Annotated or hasattr(tp, "__metadata__") else tp
-    if getattr(base, "__args__", None):  # X | None
-        base = next(a for a in base.__args__ if a is not type(None))
-    return base  # type: ignore[no-any-return]
+def _scalar(tp: Any) -> Any:
+    """The argparse type of a field: its base type, without Annotated or None (a Literal as it is)."""
+    if hasattr(tp, "__metadata__"):  # Annotated[X, Meta]
+        tp = get_args(tp)[0]
+    if get_origin(tp) in (Union, types.UnionType):  # X | None
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    return tp
