@@ -243,7 +243,7 @@ def load_task(cfg: DataConfig, *, seed: int = 0, judge: bool = False) -> Task:
     own exact match (`data.eval_reward` likewise for the held-out evaluation). `judge`: whether a judge
     will be given to rewards that take one. A file, key or reward that cannot be loaded is a ConfigError
     naming its key."""
-    builtin = BUILTIN_TASKS.get(cfg.task or "")
+    builtin = load_plugin(cfg.task, "task", BUILTIN_TASKS) if cfg.task is not None else None
     reward: Callable[..., Any] = exact_match  # the task's own exact match, also for files ("task")
     if builtin is not None:
         train, held = builtin.prompts("train", seed=seed), builtin.prompts("held_out", seed=seed)
