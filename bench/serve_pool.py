@@ -28,6 +28,7 @@ from _table import write_results
 
 from streamrl.config import EnginesConfig
 from streamrl.engine import TorchEngine
+from streamrl.engine.args import EngineArgs
 from streamrl.rollout.pools import LocalPool
 from streamrl.rollout.ray_serve_pool import RayServePool, start_ray
 from streamrl.tasks import build_tiny_model
@@ -60,8 +61,8 @@ async def load(pool, callers: int, total: int) -> dict:  # noqa: ANN001 - any En
 async def overhead(model: str, run_dir: Path, total: int) -> list[dict]:
     rows = []
     local = LocalPool([TorchEngine(model, num_threads=1, **ENGINE)])
-    serve = RayServePool(model, EnginesConfig(pool="ray_serve", num_replicas=1, cpus_per_replica=1), run_dir=run_dir,
-                         engine_kwargs=ENGINE)
+    serve = RayServePool(model, EnginesConfig(pool="ray_serve", num_replicas=1, cpus_per_replica=1), EngineArgs(num_threads=1, **ENGINE),
+                         run_dir=run_dir)
     await local.start()
     await serve.start()
     try:
@@ -83,7 +84,7 @@ async def broadcast(model: str, label: str, run_dir: Path, replicas: int, repeat
 
     state = AutoModelForCausalLM.from_pretrained(model).state_dict()
     pool = RayServePool(model, EnginesConfig(pool="ray_serve", num_replicas=replicas, cpus_per_replica=0.5),
-                        run_dir=run_dir, engine_kwargs=ENGINE)
+                        EngineArgs(num_threads=1, **ENGINE), run_dir=run_dir)
     t0 = time.perf_counter()
     await pool.start()
     start_s = time.perf_counter() - t0

@@ -19,6 +19,7 @@ import torch
 
 from streamrl.config import ConfigError, EnginesConfig, config_from_dict
 from streamrl.engine import EngineError, TorchEngine
+from streamrl.engine.args import EngineArgs
 from streamrl.rollout.ray_serve_pool import RayServePool, start_ray
 from streamrl.run import run
 from streamrl.types import Group
@@ -44,7 +45,7 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 async def pool(ray_session, engine_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     cfg = EnginesConfig(pool="ray_serve", num_replicas=2, cpus_per_replica=1, stream_interval=2)
-    p = RayServePool(str(engine_model_dir), cfg, run_dir=tmp_path_factory.mktemp("pool"), engine_kwargs=ENGINE)
+    p = RayServePool(str(engine_model_dir), cfg, EngineArgs(num_threads=1, **ENGINE), run_dir=tmp_path_factory.mktemp("pool"))
     await p.start()
     yield p
     await p.aclose()
