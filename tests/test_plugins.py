@@ -63,3 +63,13 @@ def test_a_bad_plugin_in_a_config_stops_streamrl_before_any_work() -> None:
     cfg = load_config(REPO / "configs" / "quickstart.yaml", ["rollout.workflow=no_such_mod_xyz:f"])
     with pytest.raises(ConfigError, match="^config error: rollout.workflow: workflow module 'no_such_mod_xyz' not"):
         check(cfg)
+
+
+def test_the_config_knows_every_builtin_task_and_no_other() -> None:
+    """data.task is checked by the config (which imports no task) against the names the tasks register."""
+    from streamrl.config.schema import KNOWN_TASKS
+    from streamrl.tasks import BUILTIN_TASKS
+
+    assert set(KNOWN_TASKS) == set(BUILTIN_TASKS)
+    for name, task in BUILTIN_TASKS.items():
+        assert task.prompts("held_out", seed=0) and task.warm_start is not None, name

@@ -6,9 +6,9 @@ import re
 import string
 from pathlib import Path
 
+from ..plugins import SPEC_RE as _REWARD_RE  # module:fn or file.py:fn, as the plug-in loader reads it
 from .schema import DATA_SUFFIXES, JUDGE_TEMPLATE_FIELDS, KNOWN_TASKS, Config, ConfigError, EnginesConfig
 
-_REWARD_RE = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_][\w.]*$")  # module:fn or file.py:fn
 _URL_RE = re.compile(r"^https?://[^\s/]+")
 
 
