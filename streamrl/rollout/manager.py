@@ -37,7 +37,7 @@ from ..types import Group, Sample
 from .evaluation import evaluate_agreement
 from .lockstep import FreeRunning, Lockstep
 from .pools import EnginePool
-from .runner import CaptureHost, Context, Episode, Runner, encode_prompt
+from .runner import CaptureHost, Context, Episode, Runner, ToolGate, encode_prompt
 from .tools import ToolBox
 from .workflows import is_group_workflow, load_workflow
 
@@ -91,11 +91,11 @@ class RolloutManager:
         self.workflow = load_workflow(cfg.workflow)
         self.multi_turn = cfg.workflow != "single_turn"
         self.runner = Runner(pool, cfg, self.counters, self.scheduling.seed)
-        self.ctx = Context(self.runner, tokenizer, tools, CaptureHost())
+        self.capture = CaptureHost()  # the OpenAI-compatible endpoint, started when an episode asks
+        self.ctx = Context(self.runner, tokenizer, tools, self.capture)
 
     async def aclose(self) -> None:
-        assert self.ctx.capture is not None
-        await self.ctx.capture.aclose()
+        await self.capture.aclose()
 
     def _prompt_stream(self) -> Iterator[dict[str, Any]]:
         """Endless shuffled epochs over the prompts."""
@@ -109,7 +109,7 @@ class RolloutManager:
         return encode_prompt(self.tokenizer, prompt)
 
     @property
-    def tool_gate(self) -> Any:
+    def tool_gate(self) -> ToolGate:
         """The runner's gate: a checkpoint shuts it, so no tool call is half in a snapshot."""
         return self.runner.gate
 
