@@ -69,8 +69,11 @@ def prepare(cfg: Config, task: Task, *, log: Any = print, start: str | None = No
     warm start; a judge warm-started below `judge.min_agreement` stops here (JudgeRejected)."""
     from transformers import AutoTokenizer
 
+    from .trainer.lora import check_targets
+
     base = start or build_model(cfg.model, log=log)
     check_prompts(task.train + task.held_out, AutoTokenizer.from_pretrained(base), base, cfg.rollout.max_new_tokens)
+    check_targets(base, cfg.trainer.lora)  # LoRA's target modules are the model's
     out = Prepared(task, base)
     if start is None:
         out.model_dir, out.warm_start = prepare_model(cfg.model, cfg.warm_start, seed=cfg.seed, recipe=task.warm_start,
@@ -108,7 +111,7 @@ async def assemble(cfg: Config, stack: AsyncExitStack, prepared: Prepared, *, mo
         judge_pool = build_pool(cfg.judge.engines, prepared.judge_dir, run_dir=run_dir / "judge", seed=cfg.seed)
         judge = await stack.enter_async_context(Judge(cfg.judge, judge_pool, AutoTokenizer.from_pretrained(prepared.judge_dir),
                                                       seed=cfg.seed, warm_start=prepared.judge_warm_start))
-    pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed)
+    pool = build_pool(cfg.engines, model_dir, run_dir=run_dir, seed=cfg.seed, lora_rank=cfg.trainer.lora.rank)
     if controller.cfg.deterministic:
         steps = (controller.max_groups or 0) // controller.batch_groups
         scheduling: FreeRunning | Lockstep = Lockstep(controller=controller, buffer=buffer, pool=pool, steps=steps,

@@ -3,7 +3,8 @@
 A checkpoint folder (`RUN_DIR/checkpoints/step-N/`) holds everything the run loop needs to go on as
 if it had not stopped:
 
-- the policy as a Hugging Face folder (engines and the trainer load it) and `optimizer.pt` (AdamW's
+- the policy as a Hugging Face folder (engines and the trainer load it), or with LoRA its adapters in
+  peft's format (on the run's base model, `state.json`'s base_model), and `optimizer.pt` (AdamW's
   moments and step counts);
 - `rollout_state.msgpack`: the buffer's snapshot (queued groups);
 - `generating.msgpack`: the groups still being generated, every sample as of its last returned
@@ -30,6 +31,7 @@ import msgspec
 from .buffer import RolloutBuffer, StalenessController
 from .config import Config, ConfigError
 from .trainer.trainer import OPTIMIZER_FILE
+from .weights.lora import ADAPTER_CONFIG
 
 if TYPE_CHECKING:
     from .rollout import RolloutManager
@@ -101,15 +103,25 @@ class Resume:
     def optimizer(self) -> Path:
         return self.path / OPTIMIZER_FILE
 
+    @property
+    def lora(self) -> bool:
+        return (self.path / ADAPTER_CONFIG).is_file()
+
+    @property
+    def model_dir(self) -> str:
+        """What engines and trainer load: the checkpoint's policy, or with LoRA the base its adapters fit."""
+        return self.state.base_model if self.lora else str(self.path)
+
     def trainer_state(self) -> dict[str, Any]:
-        """Where the trainer goes on from: its version, samples trained, AdamW's state."""
-        return {"version": self.state.version, "samples": self.state.samples, "optimizer_state": self.optimizer}
+        """Where the trainer goes on from: its version, samples trained, AdamW's state (and adapters)."""
+        return {"version": self.state.version, "samples": self.state.samples, "optimizer_state": self.optimizer,
+                **({"adapter_path": str(self.path)} if self.lora else {})}
 
     def start(self, run_dir: Path, log: Any) -> tuple[str, str, dict[str, Any]]:
         """A run resumed from here: its outputs cut back to this step; (model folder, base model, summary)."""
         log(f"resuming from {self.path} (step {self.state.step})")
         continue_outputs(run_dir, self.state.step, self.state.batch_groups)
-        return str(self.path), self.state.base_model, {"run_dir": str(run_dir), "model_dir": str(self.path)}
+        return self.model_dir, self.state.base_model, {"run_dir": str(run_dir), "model_dir": str(self.path)}
 
     def restore(self, buffer: RolloutBuffer, controller: StalenessController, manager: RolloutManager) -> dict[str, Any]:
         """Put the rollout side back as it was; call before the manager runs. Returns counts to report."""
@@ -146,7 +158,12 @@ def load_resume(cfg: Config) -> Resume | None:
         state = msgspec.convert(raw, RunState)
     except msgspec.ValidationError as e:
         raise ConfigError(KEY, f"'{path / STATE_FILE}': {e}") from None
-    missing = [f for f in (OPTIMIZER_FILE, ROLLOUT_FILE, GENERATING_FILE, "config.json") if not (path / f).is_file()]
+    lora = (path / ADAPTER_CONFIG).is_file()  # the trainer's adapters, written by a LoRA run
+    if lora != bool(cfg.trainer.lora.rank):
+        raise ConfigError("trainer.lora.rank", f"the checkpoint's run trained {'LoRA adapters' if lora else 'every weight'}"
+                                               f"; a resumed run keeps it (set trainer.lora.rank {'> 0' if lora else '= 0'})")
+    policy = ADAPTER_CONFIG if lora else "config.json"
+    missing = [f for f in (OPTIMIZER_FILE, ROLLOUT_FILE, GENERATING_FILE, policy) if not (path / f).is_file()]
     if missing:
         raise ConfigError(KEY, f"'{where}' is incomplete: no {', '.join(missing)}")
     sched = cfg.schedule

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .config import EnginesConfig
 from .rollout.pools import EnginePool, LocalPool
 from .trainer import TrainerProcess, TrainerThread
@@ -65,10 +63,10 @@ class ColocatedTrainer:
         return stats | {"engine_release_s": t1 - t0, "engine_restore_s": time.perf_counter() - t2,
                         "engine_bytes_during_step": released}
 
-    async def save(self, out_dir: str | Path, *, optimizer: bool = False) -> Path:
-        return await self.trainer.save(out_dir, optimizer=optimizer)
+    async def save(self, out_dir: str | Path, *, optimizer: bool = False, merged: bool = False) -> Path:
+        return await self.trainer.save(out_dir, optimizer=optimizer, merged=merged)
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> Any:
         return self.trainer.weights()
 
     async def aclose(self) -> None:

@@ -50,7 +50,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
     resume = load_resume(cfg)  # as does a checkpoint that cannot continue this config
     t_start, run_dir = time.perf_counter(), Path(cfg.run_dir)
     dump_config(cfg, run_dir / "config.yaml")
-    prepared = prepare(cfg, task, log=log, start=str(resume.path) if resume else None)  # models, warm starts
+    prepared = prepare(cfg, task, log=log, start=resume.model_dir if resume else None)  # models, warm starts
     if resume is None:
         base_model, summary = prepared.model_dir, {"run_dir": str(run_dir), "model_dir": prepared.model_dir,
                                                    "warm_start": prepared.warm_start}
@@ -60,7 +60,7 @@ async def run(cfg: Config, *, show_progress: bool = True, log: Any = print) -> d
         r = await build(cfg, stack, prepared, base_model, resume, show_progress)
         summary |= {"resumed_from": resume.restore(r.buffer, r.controller, r.manager)} if resume else {}
         summary |= await train(r, log=log)
-        summary |= {"final_model": str(await r.trainer.save(run_dir / "final"))}
+        summary |= {"final_model": str(await r.trainer.save(run_dir / "final", merged=cfg.trainer.lora.merge_final))}
         summary |= {"judge": r.rollout.judge.summary()} if r.rollout.judge else {}
     summary |= {"total_wall_s": time.perf_counter() - t_start, "plot": plot_run(run_dir, log)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

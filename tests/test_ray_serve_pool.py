@@ -176,6 +176,25 @@ async def test_replacement_replica_loads_current_weights_before_serving(pool: Ra
     assert {r["meta_info"]["weight_version"] for r in results} == {"1"}
 
 
+async def test_an_adapter_push_reaches_every_replica_as_adapter_tensors(pool: RayServePool,
+                                                                        tiny_model_dir_b: Path) -> None:
+    """LoRA: the object store carries the adapter tensors only; each replica merges them into the weights
+    it holds (version 1, tiny_model_dir_b's) and serves what a local engine with that adapter serves."""
+    from test_lora import lora_trainer, moved
+
+    adapter = moved(lora_trainer(tiny_model_dir_b))
+    await pool.push_weights(adapter, 2)
+    await pool.refresh_stats()
+    assert [s["weight_version"] for s in pool.stats()["replicas"]] == ["2", "2"]
+    async with TorchEngine(str(tiny_model_dir_b), num_threads=1, **ENGINE) as eng:
+        await eng.load_lora_adapter(adapter, "2")
+        expected = [(await eng.generate(p, GREEDY))["output_ids"] for p in PROMPTS]
+    assert expected != await reference_outputs(tiny_model_dir_b)  # the adapter changes what is generated
+    results = await generate_spread(pool, GREEDY)
+    assert [r["output_ids"] for r in results] == [expected[k % len(PROMPTS)] for k in range(len(results))]
+    assert len([r for r in pool.requests_by_replica if r]) >= 2
+
+
 async def _running(pool: RayServePool) -> int:
     await pool.refresh_stats()
     return sum(s["running"] for s in pool.stats()["replicas"])

@@ -134,6 +134,27 @@ def test_quickstart_learns_on_a_vllm_server_streamrl_launches(tmp_path: Path) ->
     assert not processes_mentioning(b"VLLM::")
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_quickstart_with_lora_learns_on_vllm_through_its_adapter_loading(tmp_path: Path) -> None:
+    """`--set trainer.lora.rank=8` on a launched vLLM server: every push is a peft folder loaded through
+    vLLM's /v1/load_lora_adapter (a new name per version, which requests name as their model), and
+    vLLM's logprobs with the adapter are the trainer's."""
+    run_dir = tmp_path / "qs"
+    p = run_quickstart_cli(run_dir, "schedule.steps=200", "engines.pool=http", "engines.backend=vllm",
+                           "trainer.lora.rank=8", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    first = sum(r["reward_mean"] for r in rows[:40]) / 40
+    last = sum(r["reward_mean"] for r in rows[-40:]) / 40
+    assert last > first + 0.1, (first, last)
+    assert max(r["logprob_mismatch"] for r in rows if r["logprob_mismatch"] is not None) < 1e-3
+    assert sum(r["partial_resumed"] for r in rows) > 0 and sum(r["tokens_discarded"] for r in rows) == 0
+    # The mismatch check above is what shows vLLM served the adapters: had it sampled from the base, the
+    # tokens of the current version would differ by the adapters' whole effect.
+    assert (run_dir / "final" / "adapter_config.json").is_file()
+
+
 @pytest.fixture(scope="module")
 def user_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """A vLLM server the "user" started (streamrl connects by URL), on the tests' tiny model."""

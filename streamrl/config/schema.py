@@ -254,6 +254,24 @@ class BufferConfig(_Section):
     capacity: Annotated[PosIntOrNone, _d("max queued groups (back-pressure); null = unbounded")] = None
 
 
+class LoraConfig(_Section):
+    rank: Annotated[int, _d(
+        "LoRA rank: train low-rank adapters on a frozen base (peft) and push only them to the engines; 0 = off "
+        "(every weight trains)", ge=0,
+    )] = 0
+    alpha: Annotated[PosFloatOrNone, _d("LoRA alpha (the update is scaled by alpha / rank); null = 2 x rank")] = None
+    dropout: Annotated[float, _d("dropout on the adapters' input while training", ge=0, lt=1)] = 0.0
+    target_modules: Annotated[list[str], _d(
+        "the base model's linear modules that get adapters, by name (q_proj, ...); [all-linear] = every linear "
+        "layer but the output head", min_length=1,
+    )] = msgspec.field(default_factory=lambda: ["all-linear"])
+    lr: Annotated[PosFloatOrNone, _d(
+        "the adapters' learning rate; null = 10 x trainer.lr (LoRA's best rate is about ten times full "
+        "fine-tuning's)"
+    )] = None
+    merge_final: Annotated[bool, _d("final/ holds the merged model as well (final/merged), besides the adapter")] = False
+
+
 class TrainerConfig(_Section):
     lr: Annotated[float, _d("learning rate", gt=0)] = 3e-5
     weight_decay: Annotated[float, _d("AdamW weight decay", ge=0)] = 0.0
@@ -286,6 +304,7 @@ class TrainerConfig(_Section):
     micro_batch_padding: Annotated[float, _d(
         "padding allowed per micro-batch, as a fraction of its real tokens (samples bucketed by length)", ge=0
     )] = 0.25
+    lora: Annotated[LoraConfig, _d("low-rank adapters instead of full fine-tuning (rank 0 = off)")] = _sec(LoraConfig)
 
 
 class ScheduleConfig(_Section):

@@ -68,6 +68,7 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         raise ConfigError("schedule.push_every", f"colocated engines take the weights after every step: needs 1, "
                                                  f"got {cfg.schedule.push_every}")
     _check_judge(cfg)
+    _check_lora(cfg)
     lg = cfg.logging  # the curve writers' packages: missing ones stop the run here, not after its first step
     for key, on, module in (("logging.tensorboard", lg.tensorboard, "tensorboard"), ("logging.wandb", lg.wandb, "wandb")):
         if on and importlib.util.find_spec(module) is None:
@@ -92,6 +93,21 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         raise ConfigError("rollout.dynamic_sampling", "needs rollout.group_size >= 2 (a group of one has no variance)")
     if cfg.controller.deterministic:
         _check_deterministic(cfg)
+
+
+def _check_lora(cfg: Config) -> None:
+    lo, e, key = cfg.trainer.lora, cfg.engines, "trainer.lora.rank"
+    if not lo.rank:
+        return
+    if e.pool == "http" and e.weight_sync == "distributed":
+        raise ConfigError(key, "LoRA pushes adapters through the servers' load_lora_adapter; engines.weight_sync: "
+                               "distributed broadcasts full weights only: use disk")
+    if e.pool == "ray_serve" and e.engine == "sglang":
+        raise ConfigError(key, "sglang.Engine replicas (engines.engine: sglang) take full weights only here; use "
+                               "engines.engine: torch, or pool: http with SGLang servers started with --enable-lora")
+    if "all-linear" in lo.target_modules and len(lo.target_modules) > 1:
+        raise ConfigError("trainer.lora.target_modules", "all-linear already names every linear layer; give it alone "
+                                                         f"or list modules, got {lo.target_modules}")
 
 
 def _check_deterministic(cfg: Config) -> None:

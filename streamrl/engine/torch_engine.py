@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from ..devices import resolve_device
+from ..weights.lora import Adapter, Merger
 from .args import EngineArgs
 from .loading import eos_ids, load_state, weight_bytes
 from .model_runner import ModelRunner
@@ -107,6 +108,7 @@ class TorchEngine:
         self._stats = {"generated_tokens": 0, "num_steps": 0, "num_requests": 0, "busy_s": 0.0,
                        "prefill_tokens": 0, "prefill_s": 0.0}
         self._tps_window: list[tuple[float, int]] = []
+        self._merger: Merger | None = None  # the base weights LoRA adapters apply to
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def __aenter__(self) -> TorchEngine:
@@ -397,6 +399,20 @@ class TorchEngine:
         recomputed with the new weights before they decode again (no stale keys/values), unless the
         engine is paused with mode `in_place`, which keeps it (see `pause`)."""
         tensors = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        if tensors:  # new weights (not just a version): the next adapter applies to these
+            self._merger = None
+        await self._update(tensors, weight_version)
+
+    async def load_lora_adapter(self, adapter: Adapter, weight_version: str | None = None) -> None:
+        """A weight update of LoRA adapters only, merged from the base weights (weights/lora.py: Merger)."""
+        self._merger = self._merger or Merger(self.model)
+        try:
+            merged = await asyncio.to_thread(self._merger.merged, adapter)
+        except ValueError as e:
+            raise EngineError(f"load_lora_adapter: {e}") from None
+        await self._update(merged, weight_version)
+
+    async def _update(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
         loop = asyncio.get_running_loop()
         async with self._step_lock:
             await loop.run_in_executor(self._executor, self._load_tensors, tensors)

@@ -60,13 +60,14 @@ def check_prompts(records: list[dict[str, Any]], tokenizer: Any, model_dir: str,
                           f"{context_len - longest}")
 
 
-def build_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: int = 0) -> EnginePool:
-    """The pool `engines.pool` names, over engines that load `model_dir` (not started yet)."""
+def build_pool(cfg: EnginesConfig, model_dir: str, *, run_dir: Path, seed: int = 0, lora_rank: int = 0) -> EnginePool:
+    """The pool `engines.pool` names, over engines that load `model_dir` (not started yet); `lora_rank`:
+    the rank of the LoRA adapters it will be pushed (launched vLLM servers must be told)."""
     args = EngineArgs.from_config(cfg, seed=seed)
     if cfg.pool == "http":
         from .http_pool import build_http_pool
 
-        return build_http_pool(cfg, model_dir, args, run_dir=run_dir)
+        return build_http_pool(cfg, model_dir, args, run_dir=run_dir, lora_rank=lora_rank)
     if cfg.pool == "ray_serve":
         from .ray_serve_pool import RayServePool
 

@@ -31,7 +31,7 @@ from ..engine.args import EngineArgs
 from ..engine.http.client import SGLangClient
 from ..engine.protocol import build_result, finish_reason
 from ..procs import EngineStartError, free_port, terminate_group
-from ..weights import BroadcastSync, DiskSync
+from ..weights import BroadcastSync, DiskSync, is_adapter
 from .pools import EnginePool
 from .replicas import ReplicaLost, Replicas
 
@@ -169,6 +169,12 @@ class HttpPool(EnginePool):
             BroadcastSync(self.clients) if weight_sync == "distributed" else DiskSync(self.clients, each=self._each))
         self.replicas: Replicas | None = None
         self._busy = {"busy_s": 0.0, "prefill_s": 0.0}
+        # LoRA: every request names the servers' adapter, which a push replaces; requests wait here
+        # while the pool is paused for one, so none is sent naming (and bound to) the adapter going away.
+        self._adapters = False
+        self._open = asyncio.Event()
+        self._open.set()
+        self._sending = 0  # generate calls between send and answer
 
     @property
     def urls(self) -> list[str]:
@@ -222,9 +228,18 @@ class HttpPool(EnginePool):
         assert self.replicas is not None
         return await self.replicas.each(fn)
 
+    async def push_weights(self, named_tensors: Any, version: int, pause: str | None = "abort") -> float:
+        self._adapters = self._adapters or is_adapter(named_tensors)
+        return await super().push_weights(named_tensors, version, pause)
+
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
+        await self._open.wait()
         if self.router_client is not None:
-            return await self.router_client.generate(input_ids, sampling_params, rid, return_logprob=True)
+            self._sending += 1
+            try:
+                return await self.router_client.generate(input_ids, sampling_params, rid, return_logprob=True)
+            finally:
+                self._sending -= 1
         return (await self._send([input_ids], [sampling_params], rid, batched=False))[0]
 
     async def generate_many(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
@@ -236,6 +251,7 @@ class HttpPool(EnginePool):
         is not verified here) or to vLLM: one request per sample."""
         if self.router_client is not None or self.backend == "vllm" or len(input_ids) < 2:
             return await super().generate_many(input_ids, sampling_params, rids)
+        await self._open.wait()
         return await self._send(input_ids, sampling_params, rids, batched=True)
 
     async def _send(self, input_ids: list[list[int]], params: list[dict[str, Any]], rids: Any,
@@ -246,6 +262,7 @@ class HttpPool(EnginePool):
         assert reps is not None
         n = len(input_ids)
         rep = await reps.pick(n)
+        self._sending += n
         try:
             out = await reps.on(rep, rep.client.generate(input_ids if batched else input_ids[0],
                                                          params if batched else params[0], rids,
@@ -255,6 +272,7 @@ class HttpPool(EnginePool):
             return [_lost_result(r, len(i)) for r, i in zip(rids if batched else [rids], input_ids, strict=True)]
         finally:
             reps.done(rep, n)
+            self._sending -= n
         if not batched:
             return [out]
         if not isinstance(out, list) or len(out) != n:
@@ -265,10 +283,24 @@ class HttpPool(EnginePool):
         await self._each(lambda c: c.abort_all())
 
     async def _pause_all(self, mode: str) -> None:
+        if self._adapters:
+            self._open.clear()
         await self._each(lambda c: c.pause(mode))
+        if self._adapters and mode == "abort":
+            # A request already on its way when the servers paused arrives after the pause and would wait
+            # for the resume bound to the adapter going away: abort until every one has come back.
+            deadline = time.monotonic() + self.engines.control_timeout_s
+            while self._sending and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+                await self._each(lambda c: c.abort_all())
 
     async def _resume_all(self) -> None:
-        await self._each(lambda c: c.resume())
+        if self.router_client is not None:  # requests through the router name the servers' adapter (LoRA)
+            self.router_client.lora_name = next((c.lora_name for c in self.clients if c.lora_name), None)
+        try:
+            await self._each(lambda c: c.resume())
+        finally:
+            self._open.set()
 
     def stats(self) -> dict[str, Any]:
         reps = self.replicas
@@ -319,7 +351,7 @@ def vllm_cache_dir() -> str:
     return str(Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "streamrl" / "vllm")
 
 
-def build_http_pool(cfg: EnginesConfig, model_dir: str, args: EngineArgs, *, run_dir: Path) -> HttpPool:
+def build_http_pool(cfg: EnginesConfig, model_dir: str, args: EngineArgs, *, run_dir: Path, lora_rank: int = 0) -> HttpPool:
     """Servers given as `urls`, or launched here: `streamrl serve` with `args` (or real vLLM) per replica."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -330,7 +362,8 @@ def build_http_pool(cfg: EnginesConfig, model_dir: str, args: EngineArgs, *, run
         launched = None if cfg.urls else [
             VLLMServer(python, model_dir, log_path=logs / f"vllm-{i}.log", dtype=args.dtype,
                        max_num_seqs=args.max_running_requests, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                       seed=args.replica(i).seed, cache_dir=vllm_cache_dir(), start_timeout=cfg.start_timeout_s)
+                       seed=args.replica(i).seed, cache_dir=vllm_cache_dir(), start_timeout=cfg.start_timeout_s,
+                       lora_rank=lora_rank)
             for i in range(cfg.num_replicas)
         ]
         return HttpPool(cfg.urls, launch=launched, backend="vllm", engines=cfg)

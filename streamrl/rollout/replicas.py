@@ -31,6 +31,7 @@ import aiohttp
 
 from ..config import EnginesConfig
 from ..errors import RolloutFailed
+from ..weights.sync import load_into
 from .pools import LeastLoaded
 
 log = logging.getLogger("streamrl.http_pool")
@@ -241,7 +242,7 @@ class Replicas:
                 state = (self.current(), self.paused())
                 cur, paused = state
                 if cur is not None:
-                    await asyncio.wait_for(c.update_weights_from_disk(cur[1], str(cur[0])), t)
+                    await asyncio.wait_for(load_into(c, cur[1], str(cur[0])), t)
                 await asyncio.wait_for(c.pause("abort") if paused else c.resume(), t)
                 if (self.current(), self.paused()) == state:
                     break

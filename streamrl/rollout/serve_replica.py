@@ -22,7 +22,7 @@ from ray import serve
 
 from ..engine import Engine, TorchEngine
 from ..engine.args import EngineArgs
-from ..weights import unpack
+from ..weights import Adapter, unpack
 
 
 @ray.remote(num_cpus=0)
@@ -78,9 +78,12 @@ class EngineReplica:
             if box is None or min_version is None:
                 version, box = await self.store.get.remote()
             if box is not None and version is not None and version > self.version:
-                table, ref = box
+                table, ref, lora = box
                 tensors = unpack(table, await ref)
-                await self.engine.update_weights_from_state_dict(tensors, str(version))
+                if lora is None:
+                    await self.engine.update_weights_from_state_dict(tensors, str(version))
+                else:  # LoRA: (rank, alpha) and the adapter tensors only
+                    await self.engine.load_lora_adapter(Adapter(tensors, rank=lora[0], alpha=lora[1]), str(version))
         return self.version
 
     async def generate_batch(self, reqs: list[tuple[list[int], dict[str, Any], str]],

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from ..config import TrainerConfig
 from ..devices import resolve_device
 from ..types import Group
+from ..weights.lora import Adapter
 from .trainer import Trainer
 
 _groups = msgspec.msgpack.Encoder()
@@ -72,7 +73,7 @@ def _serve(conn: Any, cfg: TrainerConfig, model_path: str, kwargs: dict[str, Any
             elif cmd == "finish_step":
                 out = trainer.finish_step()
             elif cmd == "save":
-                out = str(trainer.save(arg[0], optimizer=arg[1]))
+                out = str(trainer.save(arg[0], optimizer=arg[1], merged=arg[2]))
             else:
                 raise ValueError(f"unknown trainer command {cmd!r}")
             conn.send(("ok", out))
@@ -117,12 +118,13 @@ class _Handle(ABC):
         self._train_s = 0.0
         return stats
 
-    async def save(self, out_dir: str | Path, *, optimizer: bool = False) -> Path:
-        return Path(await self._run("save", (str(out_dir), optimizer)))
+    async def save(self, out_dir: str | Path, *, optimizer: bool = False, merged: bool = False) -> Path:
+        """See `Trainer.save`."""
+        return Path(await self._run("save", (str(out_dir), optimizer, merged)))
 
     @abstractmethod
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The current weights, for the engines: read between steps only."""
+    def weights(self) -> dict[str, torch.Tensor] | Adapter:
+        """The current weights (with LoRA the adapters), for the engines: read between steps only."""
 
     async def aclose(self) -> None:
         self._exec.shutdown(wait=False)  # a call still running (a cancelled run) ends on its own
@@ -138,10 +140,10 @@ class TrainerThread(_Handle):
 
     def _do(self, cmd: str, arg: Any) -> Any:
         if cmd == "save":
-            return self.trainer.save(arg[0], optimizer=arg[1])
+            return self.trainer.save(arg[0], optimizer=arg[1], merged=arg[2])
         return getattr(self.trainer, cmd)(*([] if arg is None else [arg]))
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> dict[str, torch.Tensor] | Adapter:
         return self.trainer.state_dict_for_engines()
 
 
@@ -160,7 +162,7 @@ class TrainerProcess(_Handle):
                                  daemon=True)
         self._proc.start()
         child.close()
-        self._weights: dict[str, torch.Tensor] = self._reply()
+        self._weights: dict[str, torch.Tensor] | Adapter = self._reply()
 
     def _reply(self) -> Any:
         try:
@@ -192,7 +194,7 @@ class TrainerProcess(_Handle):
             how = f"exited with status {code}"
         return TrainerFailed(f"the trainer process (pid {pid}) {how}")
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> dict[str, torch.Tensor] | Adapter:
         """The child's parameters, shared: current after each `finish_step` returns."""
         return self._weights
 

@@ -30,6 +30,8 @@ from ..batching import balanced_parts, length_buckets
 from ..config import TrainerConfig
 from ..devices import resolve_device
 from ..types import Group, Sample
+from ..weights.lora import Adapter
+from . import lora
 from .logprobs import Batch, pack_samples, token_logprobs
 from .losses import group_advantages, policy_loss
 
@@ -58,18 +60,25 @@ class Trainer:
     skip_zero_advantage = True
 
     def __init__(self, cfg: TrainerConfig, model_path: str, *, temperature: float = 1.0,
-                 ref_model_path: str | None = None, version: int = 0, optimizer_state: str | Path | None = None) -> None:
+                 ref_model_path: str | None = None, version: int = 0, optimizer_state: str | Path | None = None,
+                 adapter_path: str | Path | None = None) -> None:
         """`temperature`: the rollout's (engines report logprobs at it; greedy ones at 1).
-        `ref_model_path`: the KL reference (loaded only when `kl_coef > 0`; default `model_path`).
+        `ref_model_path`: the KL reference (loaded only when `kl_coef > 0`; default `model_path`; with
+        LoRA the base itself, adapters off).
         `optimizer_state`: an `optimizer.pt` written by `save(..., optimizer=True)`, to continue a run
-        with AdamW's moments and step counts as they were (the model comes from `model_path`)."""
+        with AdamW's moments and step counts as they were (the model comes from `model_path`).
+        `adapter_path`: with `cfg.lora`, the adapters to continue from (a checkpoint); `model_path` is the base."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = resolve_device(cfg.device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        self.lora = cfg.lora.rank > 0
+        if self.lora:  # adapters on a frozen base: only they train, only they go to the engines
+            self.model = lora.wrap(self.model, cfg.lora, adapter_path)
         self.model.train()
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # bfloat16: the forward (and so the backward) under autocast; weights, gradients and AdamW's
@@ -79,14 +88,15 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # fused: one kernel for every parameter instead of a loop of small ops per tensor.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
+            self._params, lr=lora.lr(cfg.lora, cfg.lr) if self.lora else cfg.lr, weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.999),
             fused=_fused_ok(self.device),
         )
         if optimizer_state is not None:
             state = torch.load(optimizer_state, map_location=self.device, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and not self.lora:
             ref = AutoModelForCausalLM.from_pretrained(ref_model_path or model_path, dtype=torch.float32)
             self.ref_model = ref.to(self.device).eval().requires_grad_(False)
         self.version = version
@@ -133,7 +143,7 @@ class Trainer:
         # A sample whose advantage is exactly 0 (its group's rewards all tie) adds 0 to the policy loss
         # and its gradient; only its tokens in the denominator matter. Skipping its forward/backward
         # leaves the same update (up to float summation order). Not with a KL term, which it feeds.
-        skip = self.skip_zero_advantage and self.ref_model is None
+        skip = self.skip_zero_advantage and self.cfg.kl_coef == 0
         nonzero = (adv != 0).tolist()
         trained = [i for i in range(len(samples)) if nonzero[i] or not skip]
         acc.n_trained += sum(sum(samples[i].loss_mask) for i in trained)
@@ -174,6 +184,9 @@ class Trainer:
         if self.ref_model is not None:
             with torch.no_grad():
                 ref = self._logprobs(self.ref_model, batch)
+        elif self.lora and cfg.kl_coef > 0:  # the reference is the base: these weights, adapters off
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = self._logprobs(self.model, batch)
         loss, stats = policy_loss(
             logp, batch.behav_logp, adv.to(self.device), mask, cfg,
             prox_logp=None if cfg.loss == "grpo" else prox, ref_logp=ref,
@@ -226,14 +239,14 @@ class Trainer:
 
     def _optimizer_step(self, n_loss: int) -> float:
         """Gradients summed over `n_loss` tokens -> their mean, clipped; one AdamW step; the norm."""
-        for p in self.model.parameters():
+        for p in self._params:
             if p.grad is None:  # never computed yet (first step, everything skipped)
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.div_(max(n_loss, 1))
         # max_norm=inf measures the norm without clipping (grad_clip 0 = off).
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, clip))
         self.optimizer.step()
         return grad_norm
 
@@ -255,17 +268,24 @@ class Trainer:
             self._loss_backward(acc, batch, adv[sel], prox)
         return self._optimizer_step(sum(sum(acc.samples[i].loss_mask) for i in idx))
 
-    def state_dict_for_engines(self) -> dict[str, torch.Tensor]:
-        """Detached tensors the engines copy from; valid until the next train_step mutates them."""
+    def state_dict_for_engines(self) -> dict[str, torch.Tensor] | Adapter:
+        """Detached tensors the engines copy from (with LoRA the adapters only); valid until the next
+        train_step mutates them."""
+        if self.lora:
+            return lora.adapter(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def save(self, out_dir: str | Path, *, optimizer: bool = False) -> Path:
-        """The policy as a Hugging Face folder; with `optimizer`, AdamW's state beside it
+    def save(self, out_dir: str | Path, *, optimizer: bool = False, merged: bool = False) -> Path:
+        """The policy as a Hugging Face folder (with LoRA: the adapters in peft's format, and with
+        `merged` the merged model in `merged/`); with `optimizer`, AdamW's state beside it
         (`optimizer.pt`), which a resumed run loads through `optimizer_state`."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
+        if self.lora and merged:
+            lora.save_merged(self.model, out / "merged")
+            self.tokenizer.save_pretrained(out / "merged")
         if optimizer:
             torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, out / OPTIMIZER_FILE)
         return out

@@ -7,9 +7,11 @@ with `load_folder`, `unpack` or `receive`. Torch is imported by the submodules t
 
 from .broadcast import BroadcastSender, join_group, receive
 from .formats import load_folder, pack, save_folder, unpack
+from .lora import Adapter, Merger, is_adapter, load_adapter, save_adapter
 from .sync import BroadcastSync, DiskSync, InProcessSync, ObjectStoreSync, WeightSync
 
 __all__ = [
+    "Adapter", "Merger", "is_adapter", "load_adapter", "save_adapter",
     "BroadcastSender", "BroadcastSync", "DiskSync", "InProcessSync", "ObjectStoreSync", "WeightSync", "join_group",
     "load_folder", "pack", "receive", "save_folder", "unpack",
 ]

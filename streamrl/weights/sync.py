@@ -8,6 +8,11 @@
 - `InProcessSync`: engines in this process copy the trainer's tensors (`update_weights_from_state_dict`).
 - `DiskSync`: a safetensors folder (in /dev/shm when there is one) that every server loads
   (`update_weights_from_disk`: SGLang, `streamrl serve`, vLLM's reload through `VLLMClient`).
+
+With LoRA the trainer's weights are an `Adapter` (weights/lora.py) and each sync moves only its
+tensors: in-process engines get `load_lora_adapter(adapter)`, servers a peft folder through their own
+`load_lora_adapter` (SGLang's and vLLM's endpoints), Ray replicas the packed adapter. The broadcast
+sync takes full weights only (config validation refuses LoRA with it).
 - `BroadcastSync`: a gloo/NCCL group, the trainer rank 0 (`update_weights_from_distributed`).
 - `ObjectStoreSync`: one `ray.put` of the packed weights, which every Ray Serve replica pulls.
 
@@ -28,6 +33,7 @@ from typing import Any
 
 from .broadcast import BroadcastSender
 from .formats import pack, save_folder
+from .lora import ADAPTER_CONFIG, is_adapter, save_adapter
 
 
 class WeightSync(ABC):
@@ -49,7 +55,10 @@ class InProcessSync(WeightSync):
         self.engines = engines
 
     async def load(self, named_tensors: Any, version: int) -> None:
-        await asyncio.gather(*[e.update_weights_from_state_dict(named_tensors, str(version)) for e in self.engines])
+        if is_adapter(named_tensors):
+            await asyncio.gather(*[e.load_lora_adapter(named_tensors, str(version)) for e in self.engines])
+        else:
+            await asyncio.gather(*[e.update_weights_from_state_dict(named_tensors, str(version)) for e in self.engines])
 
 
 class DiskSync(WeightSync):
@@ -70,7 +79,8 @@ class DiskSync(WeightSync):
         return list(await asyncio.gather(*[fn(c) for c in self.clients]))
 
     async def _write(self, named_tensors: Any, version: int) -> Path:
-        return await asyncio.to_thread(save_folder, named_tensors, self.root / f"v{version}")
+        write = save_adapter if is_adapter(named_tensors) else save_folder
+        return await asyncio.to_thread(write, named_tensors, self.root / f"v{version}")
 
     async def stage(self, named_tensors: Any, version: int) -> None:
         self._staged = (version, await self._write(named_tensors, version))
@@ -80,13 +90,16 @@ class DiskSync(WeightSync):
         folder = staged[1] if staged and staged[0] == version else await self._write(named_tensors, version)
         previous, self.current = self.current, (version, folder)
         try:
-            await self.each(lambda c: c.update_weights_from_disk(str(folder), str(version)))
+            await self.each(lambda c: load_into(c, str(folder), str(version)))
         except BaseException:
             self.current = previous
             raise
+        # The previous version's folder stays one push longer: vLLM reads an adapter's files lazily, when
+        # a request first needs it, and a request bound to it may still be finishing.
+        keep = {folder, previous[1]} if previous and is_adapter(named_tensors) else {folder}
         with contextlib.suppress(OSError):
             for old in self.root.iterdir():
-                if old != folder:
+                if old not in keep:
                     shutil.rmtree(old, ignore_errors=True)
 
     async def aclose(self) -> None:
@@ -144,10 +157,11 @@ class ObjectStoreSync(WeightSync):
     async def load(self, named_tensors: Any, version: int) -> None:
         import ray
 
-        table, data = await asyncio.to_thread(pack, named_tensors)
+        lora = named_tensors if is_adapter(named_tensors) else None
+        table, data = await asyncio.to_thread(pack, lora.tensors if lora else named_tensors)
         # Boxed so Ray passes the reference, not the value. The store holds a borrowed ref; the owner
         # (this process) keeps the object alive through `_box`.
-        box = [table, await asyncio.to_thread(ray.put, data)]
+        box = [table, await asyncio.to_thread(ray.put, data), (lora.rank, lora.alpha) if lora else None]
         self._box = box
         _, versions = await asyncio.gather(self.store.set.remote(version, box),
                                            self.broadcast("sync_weights", version, box))
@@ -155,6 +169,14 @@ class ObjectStoreSync(WeightSync):
             raise RuntimeError(f"ray_serve pool: replicas at versions {versions} after update to {version}")
         if self.loaded is not None:
             self.loaded(version)
+
+
+def load_into(client: Any, folder: str, version: str) -> Awaitable[Any]:
+    """A server loads a folder `DiskSync` wrote: a LoRA adapter's with its adapter call, full weights
+    with `update_weights_from_disk` (a server that rejoins the pool gets the current one this way)."""
+    if (Path(folder) / ADAPTER_CONFIG).is_file():
+        return client.load_lora_adapter(folder, version)
+    return client.update_weights_from_disk(folder, version)
 
 
 def _fast_tmp() -> str | None:

@@ -126,7 +126,11 @@ class JsonHttpClient:
 
 
 class SGLangClient(JsonHttpClient):
-    """`async with SGLangClient("http://127.0.0.1:30000") as c: r = await c.generate([1, 5], {...})`."""
+    """`async with SGLangClient("http://127.0.0.1:30000") as c: r = await c.generate([1, 5], {...})`.
+
+    After `load_lora_adapter` every request names the adapter (`lora_path`), as SGLang wants it."""
+
+    lora_name: str | None = None
 
     # ---- generation ------------------------------------------------------------------------------
     @staticmethod
@@ -145,6 +149,8 @@ class SGLangClient(JsonHttpClient):
     async def generate(self, input_ids: Any, sampling_params: dict[str, Any] | None = None, rid: Any = None, *,
                        return_logprob: bool = True, **extra: Any) -> Any:
         """POST /generate. `input_ids` may be token ids, text, or a batch of either (→ a list)."""
+        if self.lora_name is not None:
+            extra.setdefault("lora_path", self.lora_name)
         return await self.request(
             "POST", "/generate", self._payload(input_ids, sampling_params, rid, return_logprob, False, extra)
         )
@@ -153,6 +159,8 @@ class SGLangClient(JsonHttpClient):
                               rid: Any = None, *, return_logprob: bool = True,
                               **extra: Any) -> AsyncIterator[dict[str, Any]]:
         """POST /generate with stream=True; yields SGLang's cumulative chunks (the last is finished)."""
+        if self.lora_name is not None:
+            extra.setdefault("lora_path", self.lora_name)
         payload = self._payload(input_ids, sampling_params, rid, return_logprob, True, extra)
         async for obj in self.post_sse("/generate", payload):
             if isinstance(obj, dict) and "error" in obj:
@@ -182,6 +190,13 @@ class SGLangClient(JsonHttpClient):
         return await self.request(
             "POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": abort_all_requests}
         )
+
+    async def load_lora_adapter(self, path: str, version: str | None = None) -> None:
+        """SGLang's `/load_lora_adapter` under the version's name, the previous adapter unloaded, then
+        the weight version; requests from now on name it."""
+        await load_adapter_versioned(self, "", path, version)
+        if version is not None:
+            await self.update_weight_version(str(version), abort_all_requests=False)
 
     async def release_memory(self) -> None:
         await self.request("POST", "/release_memory_occupation", {})
@@ -240,3 +255,24 @@ class SGLangClient(JsonHttpClient):
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+
+async def load_adapter_versioned(client: Any, prefix: str, path: str, version: str | None) -> None:
+    """Load the adapter at `path` as `lora_name(version)` (`prefix`: "" for SGLang's routes, "/v1" for
+    vLLM's), then unload the one loaded before; `client.lora_name` names it for later requests. A
+    new name per version: SGLang cannot replace an adapter in place, and its caches never mix two
+    versions of one adapter this way."""
+    from ...weights.lora import lora_name
+
+    name = lora_name(version)
+    old = client.lora_name
+    if old == name:  # the same version again (a rejoining server): replace it where it is
+        await client.request("POST", f"{prefix}/unload_lora_adapter", {"lora_name": name})
+    await client.request("POST", f"{prefix}/load_lora_adapter", {"lora_name": name, "lora_path": path})
+    client.lora_name = name
+    if old is not None and old != name:
+        try:
+            await client.request("POST", f"{prefix}/unload_lora_adapter", {"lora_name": old})
+        except SGLangHTTPError as e:
+            if e.status not in (400, 404):  # already gone (a restarted server) is fine
+                raise

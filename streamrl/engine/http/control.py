@@ -103,6 +103,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     )
     if ok:
         st.model_path = req.model_path
+        st.extra.pop("lora", None)  # full weights: no adapter is active any more (http/lora.py)
     return json_response({"success": ok, "message": msg, "num_paused_requests": paused}, 200 if ok else 400)
 
 

@@ -20,6 +20,7 @@ from .common import (
     start_sse,
     state_of,
 )
+from .lora import check_request as check_lora
 from .streams import GenItem, Streams, feed
 
 
@@ -43,11 +44,13 @@ _IGNORED = ("model", "log_metrics", "priority", "data_parallel_rank", "routed_dp
             "bootstrap_pair_key", "modalities", "received_time", "external_trace_header")
 # ... and fields whose features streamrl lacks: accepted only at their "off" value (null / false / 0).
 _UNSUPPORTED = ("input_embeds", "token_ids_logprob", "image_data", "video_data", "audio_data", "session_params",
-                "lora_path", "lora_id", "custom_logit_processor", "top_logprobs_num", "return_hidden_states",
+                "lora_id", "custom_logit_processor", "top_logprobs_num", "return_hidden_states",
                 "return_entropy", "return_bytes", "return_routed_experts", "background")
 
 
-def parse_generate(body: dict[str, Any]) -> GenerateReq:
+def parse_generate(body: dict[str, Any], st: ServerState | None = None) -> GenerateReq:
+    if st is not None:  # `lora_path`: the adapter the request is for, which must be the one merged in
+        check_lora(st, body.pop("lora_path", None))
     for name in _IGNORED:
         body.pop(name, None)
     for name in _UNSUPPORTED:
@@ -150,7 +153,7 @@ def partial_result(st: ServerState, it: GenItem) -> dict[str, Any]:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     st = state_of(request)
-    req = parse_generate(await read_json(request))
+    req = parse_generate(await read_json(request), st)
     items, single = await st.off_loop(generate_items, st, req)
     streams = Streams(st, items, stream=bool(req.stream))
     await streams.start()

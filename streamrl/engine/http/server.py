@@ -52,6 +52,7 @@ from .control import (
     weight_version,
 )
 from .generate import generate
+from .lora import add_routes as add_lora_routes
 from .weight_sync import (
     destroy_weights_update_group,
     init_weights_update_group,
@@ -123,6 +124,7 @@ def build_app(engine: Any, *, api_key: str | None = None, model_name: str | None
     r.add_post("/continue_generation", continue_generation)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/update_weight_version", update_weight_version)
+    add_lora_routes(r)
     r.add_post("/init_weights_update_group", init_weights_update_group)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_post("/destroy_weights_update_group", destroy_weights_update_group)

@@ -32,6 +32,7 @@ _SAME = ("temperature", "top_p", "min_p", "stop_token_ids", "stop", "ignore_eos"
          "frequency_penalty", "presence_penalty", "repetition_penalty")
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep", "keep": "keep", "wait": "wait"}
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+VLLM_LORA_NAME = "streamrl-lora"  # the adapter's name on a vLLM server (every version, loaded in place)
 MIN_TEMPERATURE = 0.01  # vLLM raises a sampled request's temperature to this (SamplingParams._MAX_TEMP)
 
 
@@ -79,6 +80,7 @@ class VLLMClient(JsonHttpClient):
         self._busy_since = 0.0
         self._busy_s = 0.0
         self.in_flight: dict[str, int] = {}  # rid -> tokens received so far, while it streams
+        self.lora_name: str | None = None  # the adapter requests are for (load_lora_adapter)
 
     # ---- generation ------------------------------------------------------------------------------
     async def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
@@ -91,6 +93,8 @@ class VLLMClient(JsonHttpClient):
                                 "sampling_params": vllm_sampling_params(sampling_params, return_logprob)}
         if rid is not None:
             body["request_id"] = rid
+        if self.lora_name is not None:  # the adapter is named as a model (vLLM's LoRA serving)
+            body["model"] = self.lora_name
         async for obj in self.post_sse("/inference/v1/generate", body):
             if "error" in obj:  # vLLM reports a bad request in-band once streaming began
                 e = obj["error"]
@@ -202,6 +206,21 @@ class VLLMClient(JsonHttpClient):
         if version is not None:
             await self.update_weight_version(str(version))
         await self.request("POST", "/reset_prefix_cache")  # cached KV was computed by the old weights
+
+    async def load_lora_adapter(self, path: str, version: str | None = None) -> None:
+        """vLLM's `/v1/load_lora_adapter` (a server started with --enable-lora and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING), always under one name and replaced in place, then the prefix
+        cache reset and the weight version set; requests from now on name it as their model. Call while
+        paused: vLLM swaps an adapter under running requests otherwise.
+
+        One name, not one per version: vLLM keeps unloaded adapters in its engine, and with more of them
+        than --max-loras its logprobs go wrong (seen on CPU)."""
+        await self.request("POST", "/v1/load_lora_adapter", {"lora_name": VLLM_LORA_NAME, "lora_path": path,
+                                                             "load_inplace": True})
+        self.lora_name = VLLM_LORA_NAME
+        await self.request("POST", "/reset_prefix_cache")  # cached KV was computed by the old adapter
+        if version is not None:
+            await self.update_weight_version(str(version))
 
     async def update_weight_version(self, version: str) -> None:
         await self.request("POST", "/update_weight_version", {"new_version": str(version)})

@@ -35,6 +35,15 @@ def find_vllm_python(explicit: str | None = None) -> str | None:
     return None
 
 
+# vLLM's --max-lora-rank choices (vllm/config/lora.py)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_flag(rank: int) -> int:
+    """The smallest of vLLM's allowed --max-lora-rank values that holds `rank`."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 class VLLMServer:
     """`url = await VLLMServer(python, model_dir, log_path=...).start()`; `await server.stop()`.
 
@@ -44,7 +53,9 @@ class VLLMServer:
 
     def __init__(self, python: str, model_dir: str, *, log_path: Path, dtype: str = "float32",
                  max_num_seqs: int = 64, kv_cache_gib: float = 1.0, seed: int = 0, cache_dir: str | None = None,
-                 cpu_bind: str | None = None, start_timeout: float = 600.0, extra_args: list[str] | None = None) -> None:
+                 cpu_bind: str | None = None, start_timeout: float = 600.0, extra_args: list[str] | None = None,
+                 lora_rank: int = 0) -> None:
+        """`lora_rank` > 0: serve LoRA adapters up to that rank, loaded at run time (`load_lora_adapter`)."""
         self.port = free_port()
         self.cmd = [
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
@@ -53,6 +64,7 @@ class VLLMServer:
             "--disable-uvicorn-access-log",  # a line per request: ~1 MB of log per quickstart minute
             # The trainer scores tokens under softmax(logits / T): report the same distribution.
             "--logprobs-mode", "processed_logprobs",
+            *(["--enable-lora", "--max-lora-rank", str(lora_rank_flag(lora_rank)), "--max-loras", "1"] if lora_rank else []),
             *(extra_args or []),
         ]
         self.env = {
@@ -61,6 +73,8 @@ class VLLMServer:
             "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
+        if lora_rank:  # /v1/load_lora_adapter exists only with it
+            self.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if cache_dir:  # torch.compile's cache: a warm one halves the start (62 s -> ~30 s here)
             self.env["VLLM_CACHE_ROOT"] = cache_dir
         if cpu_bind:
