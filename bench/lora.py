@@ -10,7 +10,7 @@
   vLLM is installed.
 - **decode**: the engine's decode speed with the adapter merged into its weights (what streamrl does)
   vs applied at run time (peft's LoRA layers injected into the engine's model: two extra matmuls per
-  adapted layer per step), and what each costs a push.
+  adapted layer per step) vs no adapter at all, and what each costs a push.
 - **trainer**: a train step's time and the process's peak memory, full vs LoRA, each in its own process.
 - **quickstart**: `streamrl run configs/quickstart.yaml`, then the same with `--set trainer.lora.rank=8`
   (warm start from the cache, so both start from the same model), on each pool of `--pools`: held-out
@@ -43,6 +43,8 @@ from streamrl.weights import Adapter, DiskSync, load_folder
 REPO = Path(__file__).parents[1]
 RESULTS = REPO / "bench" / "results"
 RANK = 8
+# The engines' KV cache: a 0.5 B shape's 32k-token context in 64 slots would take ~50 GB.
+SMALL_KV = {"max_running_requests": 8, "max_seq_len": 256}
 
 
 def make_model(shape: str, root: Path) -> Path:
@@ -97,13 +99,13 @@ async def push_part(shape: str, root: Path) -> dict[str, Any]:
                            "full_bytes": sum(v.numel() * v.element_size() for v in full.values()),
                            "lora_bytes": adapter.nbytes(), "lora_modules": len(adapter.modules())}
     row["lora_fraction"] = row["lora_bytes"] / row["full_bytes"]
-    async with TorchEngine(str(model), num_threads=2) as e:
+    async with TorchEngine(str(model), num_threads=2, **SMALL_KV) as e:
         v = iter(range(1, 100))
         first = await atimed(lambda: e.load_lora_adapter(adapter, str(next(v))), 1)  # copies the base first
         row["local_full_s"] = statistics.median(await atimed(lambda: e.update_weights_from_state_dict(full, str(next(v)))))
         row["local_lora_first_s"] = first[0]
         row["local_lora_s"] = statistics.median(await atimed(lambda: e.load_lora_adapter(adapter, str(next(v)))))
-    server = ServerProcess(str(model), EngineArgs(num_threads=2), log_path=root / f"serve-{shape}.log")
+    server = ServerProcess(str(model), EngineArgs(num_threads=2, **SMALL_KV), log_path=root / f"serve-{shape}.log")
     url = await server.start()
     try:
         async with SGLangClient(url) as c:
@@ -145,7 +147,7 @@ async def vllm_push(model: Path, full: dict, adapter: Adapter, root: Path) -> di
         await server.stop()
 
 
-async def decode_part(shape: str, root: Path, batch: int = 8, new: int = 16) -> dict[str, Any]:
+async def decode_part(shape: str, root: Path, batch: int = 8, new: int = 64) -> dict[str, Any]:
     from peft import LoraConfig, inject_adapter_in_model
 
     model = make_model(shape, root)
@@ -153,13 +155,14 @@ async def decode_part(shape: str, root: Path, batch: int = 8, new: int = 16) -> 
     prompts = [[1] + [4 + (i + j) % 18 for j in range(15)] for i in range(batch)]
     params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
     row: dict[str, Any] = {"shape": shape, "batch": batch, "new_tokens": new}
-    for mode in ("merged", "runtime", "merged", "runtime"):  # alternated: the machine drifts
-        async with TorchEngine(str(model), num_threads=2, max_running_requests=batch) as e:
+    for mode in ("base", "merged", "runtime") * 3:  # alternated: the machine drifts
+        async with TorchEngine(str(model), num_threads=2, **{**SMALL_KV, "max_running_requests": batch}) as e:
+            push = 0.0
             if mode == "merged":
                 t0 = time.perf_counter()
                 await e.load_lora_adapter(adapter, "1")
                 push = time.perf_counter() - t0
-            else:  # peft's LoRA layers in the engine's model: B(A x) added at every step
+            elif mode == "runtime":  # peft's LoRA layers in the engine's model: B(A x) added at every step
                 inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=adapter.alpha, target_modules="all-linear"), e.model)
                 params_of = dict(e.model.named_parameters())
                 t0 = time.perf_counter()
@@ -167,20 +170,20 @@ async def decode_part(shape: str, root: Path, batch: int = 8, new: int = 16) -> 
                     for k, val in adapter.tensors.items():
                         params_of[k.replace(".weight", ".default.weight")].copy_(val)
                 push = time.perf_counter() - t0
-            await e.generate_many(prompts[:2], [dict(params, max_new_tokens=2)] * 2)  # warm-up
+            await e.generate_many(prompts[:2], [dict(params, max_new_tokens=2)] * 2, ["w0", "w1"])  # warm-up
             t0 = time.perf_counter()
-            out = await e.generate_many(prompts, [params] * batch)
+            out = await e.generate_many(prompts, [params] * batch, [f"r{i}" for i in range(batch)])
             dt = time.perf_counter() - t0
         tok = sum(len(r["output_ids"]) for r in out)
         row.setdefault(f"{mode}_tok_s", []).append(tok / dt)
         row.setdefault(f"{mode}_push_s", []).append(push)
     for k in [k for k in row if isinstance(row[k], list)]:
-        row[k] = max(row[k]) if k.endswith("tok_s") else min(row[k])
+        row[k + "_rounds"], row[k] = row[k], statistics.median(row[k])
     return row
 
 
 TRAINER_CHILD = r"""
-import json, resource, sys, time, random, torch
+import json, sys, time, random, torch
 from streamrl.config import TrainerConfig
 from streamrl.config.schema import LoraConfig
 from streamrl.trainer.trainer import Trainer
@@ -207,7 +210,8 @@ trainable = sum(p.numel() for p in t._params)
 print(json.dumps({"step_s": min(times[1:]), "trainable_params": trainable,
                   "optimizer_bytes": sum(v.numel() * v.element_size() for s in t.optimizer.state.values()
                                           for v in s.values() if torch.is_tensor(v)),
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forking parent
+                  "peak_rss_mib": int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 1024}))
 """
 
 
@@ -264,8 +268,9 @@ async def amain(args: argparse.Namespace) -> None:
         if "decode" in parts:
             out["decode"] = [await decode_part(s, root) for s in shapes]
             print_table("engine decode with the adapter merged vs applied at run time",
-                        ["shape", "merged tok/s", "runtime tok/s", "merge push", "runtime push"],
-                        [[r["shape"], f"{r['merged_tok_s']:.0f}", f"{r['runtime_tok_s']:.0f}",
+                        ["shape", "no adapter tok/s", "merged tok/s", "run-time tok/s", "first push, merged",
+                         "first push, run-time"],
+                        [[r["shape"], f"{r['base_tok_s']:.0f}", f"{r['merged_tok_s']:.0f}", f"{r['runtime_tok_s']:.0f}",
                           f"{r['merged_push_s'] * 1e3:.1f} ms", f"{r['runtime_push_s'] * 1e3:.1f} ms"] for r in out["decode"]])
         if "trainer" in parts:
             out["trainer"] = [trainer_part(s, root) for s in shapes]
@@ -289,8 +294,9 @@ async def amain(args: argparse.Namespace) -> None:
         mine = {r["run"] for r in out["quickstart"]}
         out["quickstart"] = [r for r in old.get("quickstart", []) if r["run"] not in mine] + out["quickstart"]
     parts_meta = {**old.get("meta", {}).get("parts", {}), **{k: time.strftime("%Y-%m-%d %H:%M") for k in out}}
+    kept = {k: v for k, v in old.items() if k not in ("meta", "results")}
     write_results(args.out, {"rank": RANK, "cores": len(os.sched_getaffinity(0)), "parts": parts_meta}, [],
-                  **{k: v for k, v in old.items() if k not in ("meta", "results")}, **out)
+                  **{**kept, **out})
 
 
 def main() -> None:

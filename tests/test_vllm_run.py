@@ -22,6 +22,7 @@ from helpers import (
 from test_run import read_groups, read_metrics, small_cfg
 
 from streamrl.config import ConfigError, config_from_dict
+from streamrl.engine import EngineError
 from streamrl.engine.vllm import find_vllm_python
 from streamrl.run import run
 
@@ -201,6 +202,16 @@ async def test_async_run_on_vllm_resumes_partials_and_discards_nothing(tmp_path:
             assert s.versions == sorted(s.versions)
             assert step // 2 - min(s.versions) <= 2  # trained within η of every token's version
     assert any(len(set(s.versions)) > 1 for g in groups for s in g.samples)  # resumed across versions
+
+
+@needs_vllm
+async def test_lora_against_a_vllm_server_without_lora_is_one_clear_error(tmp_path: Path, user_server) -> None:  # noqa: ANN001
+    """The user's server was started without --enable-lora: the first adapter push says how to start it."""
+    url, model = user_server
+    cfg = config_from_dict(small_cfg(tmp_path, model, data={"eval_size": 2}, trainer={"lora": {"rank": 8}},
+                                     engines={"pool": "http", "backend": "vllm", "urls": [url]}))
+    with pytest.raises(EngineError, match="has no /v1/load_lora_adapter: start it with --enable-lora"):
+        await run(cfg, show_progress=False, log=lambda *_: None)
 
 
 @needs_vllm

@@ -239,7 +239,7 @@ class TorchEngine:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    tokens, logps = await self._step(plan)
+                    tokens, logps = await self._on_step_thread(self._execute, plan)
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
                     plan, tokens, logps = await isolate(plan, e, self._step, self._abort_failed)
                     if not plan.requests:
@@ -254,10 +254,11 @@ class TorchEngine:
             if self._inline:
                 await asyncio.sleep(0)  # one step at a time: let HTTP, control calls and the trainer in
 
-    async def _step(self, plan: Plan) -> tuple[list[int], list[float]]:
+    async def _on_step_thread(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` where the engine's steps run: inline on the loop's thread, else its worker thread."""
         if self._inline:
-            return self._execute(plan)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, plan)
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _abort_failed(self, r: Request, e: Exception) -> None:
         self._finish(r, finish_reason("abort", message=f"engine error: {e}"), error=e)
@@ -399,23 +400,21 @@ class TorchEngine:
         recomputed with the new weights before they decode again (no stale keys/values), unless the
         engine is paused with mode `in_place`, which keeps it (see `pause`)."""
         tensors = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        if tensors:  # new weights (not just a version): the next adapter applies to these
-            self._merger = None
-        await self._update(tensors, weight_version)
+        self._merger = self._merger if not tensors else None  # new weights: the next adapter applies to them
+        await self._update(lambda: load_state(self.model, tensors), weight_version)
 
     async def load_lora_adapter(self, adapter: Adapter, weight_version: str | None = None) -> None:
         """A weight update of LoRA adapters only, merged from the base weights (weights/lora.py: Merger)."""
-        self._merger = self._merger or Merger(self.model)
+        merger = self._merger = self._merger or Merger(self.model)
         try:
-            merged = await asyncio.to_thread(self._merger.merged, adapter)
+            merger.check(adapter)
         except ValueError as e:
             raise EngineError(f"load_lora_adapter: {e}") from None
-        await self._update(merged, weight_version)
+        await self._update(lambda: merger.apply(adapter), weight_version)
 
-    async def _update(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
-        loop = asyncio.get_running_loop()
-        async with self._step_lock:
-            await loop.run_in_executor(self._executor, self._load_tensors, tensors)
+    async def _update(self, load: Any, weight_version: str | None) -> None:
+        async with self._step_lock:  # where the steps run: torch ops in a second thread start a second
+            await self._on_step_thread(self._load_weights, load)  # OpenMP team, which slows every later step
             v = self._version  # no version given: the next number
             self._version = str(weight_version) if weight_version is not None else str(int(v) + 1) if v.isdigit() else "1"
             if self.state is not EngineState.PAUSED_IN_PLACE:
@@ -431,10 +430,10 @@ class TorchEngine:
             raise EngineError(f"update_weights_from_disk: {e}") from None
         await self.update_weights_from_state_dict(tensors, weight_version)
 
-    def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _load_weights(self, load: Any) -> None:
         if self.state is EngineState.RELEASED:
             raise EngineError("update_weights: the engine's memory is released; resume_memory first")
-        load_state(self.model, tensors)
+        load()
 
     async def release_memory(self, weights: bool = True) -> None:
         """Free the KV cache and, with `weights`, move the weights to host memory (colocated training:

@@ -103,36 +103,39 @@ class Merger:
         self.model = model
         self.base: dict[str, torch.Tensor] = {}
 
-    def merged(self, adapter: Adapter) -> dict[str, torch.Tensor]:
-        """The adapted weights, `W_base + scale * B @ A`, named as the model's state dict names them; a
-        module this adapter does not adapt any more goes back to its base weight. ValueError for an
-        adapter that does not fit the model."""
-        import torch
-
+    def check(self, adapter: Adapter) -> None:
+        """ValueError naming the first module of `adapter` the model lacks, or whose shapes do not fit."""
         params = self.model.state_dict(keep_vars=True)
-        out: dict[str, torch.Tensor] = {}
-        modules = adapter.modules()
-        for m in modules:
-            w = m + ".weight"
-            if w not in params:
+        for m in adapter.modules():
+            p = params.get(m + ".weight")
+            if p is None:
                 raise ValueError(f"the model has no module {m!r}")
             a, b = adapter.tensors[m + ".lora_A.weight"], adapter.tensors[m + ".lora_B.weight"]
-            p = params[w]
-            if tuple(b.shape[:1]) + tuple(a.shape[1:]) != tuple(p.shape) or a.shape[0] != b.shape[1]:
-                raise ValueError(f"{m}: lora_B {tuple(b.shape)} @ lora_A {tuple(a.shape)} does not "
-                                  f"make {tuple(p.shape)}")
-            if w not in self.base:  # on the weight's own device: the merge runs where the weights are
-                self.base[w] = p.detach().clone()
-        for w, base in self.base.items():
-            out[w] = base
-        with torch.no_grad():
-            for m in modules:
-                w, base = m + ".weight", self.base[m + ".weight"]
-                a = adapter.tensors[m + ".lora_A.weight"].to(base.device, torch.float32)
-                b = adapter.tensors[m + ".lora_B.weight"].to(base.device, torch.float32)
-                out[w] = (base.float() + adapter.scale * (b @ a)).to(base.dtype)
-        return out
+            if (b.shape[0], *a.shape[1:]) != tuple(p.shape) or a.shape[0] != b.shape[1]:
+                raise ValueError(f"{m}: lora_B {tuple(b.shape)} @ lora_A {tuple(a.shape)} does not make {tuple(p.shape)}")
 
-    def forget(self) -> None:
-        """Full weights were loaded: they are the new base."""
-        self.base.clear()
+    def apply(self, adapter: Adapter) -> None:
+        """Every adapted weight becomes `W_base + scale * B @ A`, in place (one fused addmm per module, no
+        full-size temporaries in float32); a module this adapter does not adapt goes back to its base
+        weight. `check` first: a bad adapter changes nothing."""
+        import torch
+
+        self.check(adapter)
+        params = self.model.state_dict(keep_vars=True)
+        adapted = set(adapter.modules())
+        for m in adapted:  # on the weight's own device: the merge runs where the weights are
+            self.base.setdefault(m + ".weight", params[m + ".weight"].detach().clone())
+        with torch.no_grad():
+            for w, base in self.base.items():
+                p, m = params[w], w.removesuffix(".weight")
+                if m not in adapted:
+                    p.copy_(base)
+                    continue
+                a = adapter.tensors[m + ".lora_A.weight"].to(p.device, torch.float32)
+                b = adapter.tensors[m + ".lora_B.weight"].to(p.device, torch.float32)
+                if p.dtype == torch.float32:
+                    torch.addmm(base, b, a, alpha=adapter.scale, out=p.data)
+                else:  # merged in float32, rounded once
+                    p.copy_(torch.addmm(base.float(), b, a, alpha=adapter.scale))
+        for device in {t.device for t in self.base.values() if t.device.type == "cuda"}:
+            torch.cuda.synchronize(device)  # the engine's next step runs on its own stream

@@ -215,8 +215,14 @@ class VLLMClient(JsonHttpClient):
 
         One name, not one per version: vLLM keeps unloaded adapters in its engine, and with more of them
         than --max-loras its logprobs go wrong (seen on CPU)."""
-        await self.request("POST", "/v1/load_lora_adapter", {"lora_name": VLLM_LORA_NAME, "lora_path": path,
-                                                             "load_inplace": True})
+        try:
+            await self.request("POST", "/v1/load_lora_adapter", {"lora_name": VLLM_LORA_NAME, "lora_path": path,
+                                                                 "load_inplace": True})
+        except SGLangHTTPError as e:
+            if e.status != 404 or e.message != "Not Found":  # the route itself is missing, not the folder
+                raise
+            raise EngineError(f"vLLM server {self.base_url} has no /v1/load_lora_adapter: start it with --enable-lora "
+                              "--max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for trainer.lora") from None
         self.lora_name = VLLM_LORA_NAME
         await self.request("POST", "/reset_prefix_cache")  # cached KV was computed by the old adapter
         if version is not None:
