@@ -239,7 +239,7 @@ class TorchEngine:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    tokens, logps = await self._on_step_thread(self._execute, plan)
+                    tokens, logps = await self._step(plan)
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
                     plan, tokens, logps = await isolate(plan, e, self._step, self._abort_failed)
                     if not plan.requests:
@@ -253,6 +253,9 @@ class TorchEngine:
                 self._postprocess(plan, tokens, logps)
             if self._inline:
                 await asyncio.sleep(0)  # one step at a time: let HTTP, control calls and the trainer in
+
+    async def _step(self, plan: Plan) -> tuple[list[int], list[float]]:
+        return await self._on_step_thread(self._execute, plan)
 
     async def _on_step_thread(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` where the engine's steps run: inline on the loop's thread, else its worker thread."""
@@ -360,14 +363,12 @@ class TorchEngine:
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         """New requests wait until `resume()`; in-flight ones, as in SGLang:
-
         - `abort`: end now with their partial output (the caller resubmits prompt + partial response).
         - `retract`: freeze; a weight update meanwhile recomputes their KV with the new weights before
           they go on (SGLang frees it and prefills them again): exact, no round trip through the caller.
         - `in_place`: freeze with their KV as it is; after a weight update they go on reading keys and
           values the old weights computed (SGLang keeps the running batch untouched; PipelineRL's
-          in-flight updates). No recomputation, but a token sampled then depends on both versions.
-        """
+          in-flight updates). No recomputation, but a token sampled then depends on both versions."""
         if mode not in PAUSED_STATES:
             raise EngineError(f"pause mode must be abort, in_place or retract, got {mode!r}")
         async with self._step_lock:
@@ -396,9 +397,8 @@ class TorchEngine:
         return self.state is not EngineState.SERVING
 
     async def update_weights_from_state_dict(self, named_tensors: Any, weight_version: str | None = None) -> None:
-        """Load new weights between two steps. Running requests keep their tokens; their KV is
-        recomputed with the new weights before they decode again (no stale keys/values), unless the
-        engine is paused with mode `in_place`, which keeps it (see `pause`)."""
+        """Load new weights between two steps. Running requests keep their tokens; their KV is recomputed
+        with the new weights before they decode again, unless paused `in_place`, which keeps it (`pause`)."""
         tensors = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         self._merger = self._merger if not tensors else None  # new weights: the next adapter applies to them
         await self._update(lambda: load_state(self.model, tensors), weight_version)
