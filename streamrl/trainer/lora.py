@@ -27,7 +27,7 @@ def alpha(cfg: LoraConfig) -> float:
     return cfg.alpha if cfg.alpha is not None else 2.0 * cfg.rank
 
 
-def lr(cfg: LoraConfig, full_lr: float) -> float:
+def lora_lr(cfg: LoraConfig, full_lr: float) -> float:
     return cfg.lr if cfg.lr is not None else 10.0 * full_lr
 
 

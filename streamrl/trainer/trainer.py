@@ -31,8 +31,8 @@ from ..config import TrainerConfig
 from ..devices import resolve_device
 from ..types import Group, Sample
 from ..weights.lora import Adapter
-from . import lora
 from .logprobs import Batch, pack_samples, token_logprobs
+from .lora import adapter, lora_lr, save_merged, wrap
 from .losses import group_advantages, policy_loss
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -76,7 +76,7 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.lora = cfg.lora.rank > 0
         if self.lora:  # adapters on a frozen base: only they train, only they go to the engines
-            self.model = lora.wrap(self.model, cfg.lora, adapter_path)
+            self.model = wrap(self.model, cfg.lora, adapter_path)
         self.model.train()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         if cfg.gradient_checkpointing:
@@ -88,7 +88,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # fused: one kernel for every parameter instead of a loop of small ops per tensor.
         self.optimizer = torch.optim.AdamW(
-            self._params, lr=lora.lr(cfg.lora, cfg.lr) if self.lora else cfg.lr, weight_decay=cfg.weight_decay,
+            self._params, lr=lora_lr(cfg.lora, cfg.lr) if self.lora else cfg.lr, weight_decay=cfg.weight_decay,
             betas=(0.9, 0.999),
             fused=_fused_ok(self.device),
         )
@@ -272,7 +272,7 @@ class Trainer:
         """Detached tensors the engines copy from (with LoRA the adapters only); valid until the next
         train_step mutates them."""
         if self.lora:
-            return lora.adapter(self.model)
+            return adapter(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def save(self, out_dir: str | Path, *, optimizer: bool = False, merged: bool = False) -> Path:
@@ -284,7 +284,7 @@ class Trainer:
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         if self.lora and merged:
-            lora.save_merged(self.model, out / "merged")
+            save_merged(self.model, out / "merged")
             self.tokenizer.save_pretrained(out / "merged")
         if optimizer:
             torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, out / OPTIMIZER_FILE)
