@@ -16,6 +16,7 @@ itself is never changed.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."  # peft's key prefix on disk
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+_ADAPTER_NAME = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 
 
 @dataclass
@@ -47,11 +49,6 @@ class Adapter:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-def lora_name(version: str | int | None) -> str:
-    """The name an adapter of weight version `version` is loaded under on a server; requests name it."""
-    return f"streamrl-v{version if version is not None else 0}"
 
 
 def is_adapter(weights: Any) -> bool:
@@ -85,11 +82,8 @@ def load_adapter(folder: str | Path) -> Adapter:
         raise ValueError(f"{str(folder)!r}: only plain LoRA adapters are supported")
     tensors = {}
     for k, v in load_file(str(path / ADAPTER_FILE)).items():
-        name = k.removeprefix(_PEFT_PREFIX)
-        for s in _SUFFIXES:  # peft writes `.lora_A.weight`; an adapter name may sit before `.weight`
-            head, _, _ = name.partition(s.removesuffix(".weight"))
-            if name != head:
-                name = head + s
+        # peft writes `.lora_A.weight`; an adapter name may sit before `.weight` (`.lora_A.default.weight`)
+        name = _ADAPTER_NAME.sub(r".lora_\1.weight", k.removeprefix(_PEFT_PREFIX))
         if not name.endswith(_SUFFIXES):
             raise ValueError(f"{str(folder)!r}: unexpected tensor {k!r} (only lora_A / lora_B weights are supported)")
         tensors[name] = v

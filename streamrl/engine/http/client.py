@@ -192,9 +192,20 @@ class SGLangClient(JsonHttpClient):
         )
 
     async def load_lora_adapter(self, path: str, version: str | None = None) -> None:
-        """SGLang's `/load_lora_adapter` under the version's name, the previous adapter unloaded, then
-        the weight version; requests from now on name it."""
-        await load_adapter_versioned(self, "", path, version)
+        """SGLang's `/load_lora_adapter` under the version's name (`streamrl-vN`), the previous adapter
+        unloaded, then the weight version; requests from now on name it. A new name per version:
+        SGLang cannot replace an adapter in place, and its caches never mix two versions this way."""
+        name, old = f"streamrl-v{version or 0}", self.lora_name
+        if old == name:  # the same version again (a rejoining server): replace it where it is
+            await self.request("POST", "/unload_lora_adapter", {"lora_name": name})
+        await self.request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        self.lora_name = name
+        if old is not None and old != name:
+            try:
+                await self.request("POST", "/unload_lora_adapter", {"lora_name": old})
+            except SGLangHTTPError as e:
+                if e.status not in (400, 404):  # already gone (a restarted server) is fine
+                    raise
         if version is not None:
             await self.update_weight_version(str(version), abort_all_requests=False)
 
@@ -256,23 +267,3 @@ class SGLangClient(JsonHttpClient):
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
-
-async def load_adapter_versioned(client: Any, prefix: str, path: str, version: str | None) -> None:
-    """Load the adapter at `path` as `lora_name(version)` (`prefix`: "" for SGLang's routes, "/v1" for
-    vLLM's), then unload the one loaded before; `client.lora_name` names it for later requests. A
-    new name per version: SGLang cannot replace an adapter in place, and its caches never mix two
-    versions of one adapter this way."""
-    from ...weights.lora import lora_name
-
-    name = lora_name(version)
-    old = client.lora_name
-    if old == name:  # the same version again (a rejoining server): replace it where it is
-        await client.request("POST", f"{prefix}/unload_lora_adapter", {"lora_name": name})
-    await client.request("POST", f"{prefix}/load_lora_adapter", {"lora_name": name, "lora_path": path})
-    client.lora_name = name
-    if old is not None and old != name:
-        try:
-            await client.request("POST", f"{prefix}/unload_lora_adapter", {"lora_name": old})
-        except SGLangHTTPError as e:
-            if e.status not in (400, 404):  # already gone (a restarted server) is fine
-                raise
