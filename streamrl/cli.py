@@ -196,7 +196,8 @@ def _print_summary(s: dict) -> None:
 def _cmd_init_model(args: argparse.Namespace) -> int:
     from .tasks import build_tiny_model, count_parameters
 
-    path = build_tiny_model(args.dir, preset=args.preset, seed=args.seed, arch=args.arch, agent=args.agent)
+    path = build_tiny_model(args.dir, preset=args.preset, seed=args.seed, arch=args.arch, agent=args.agent,
+                             tools=args.tools)
     from transformers import AutoModelForCausalLM
 
     n = count_parameters(AutoModelForCausalLM.from_pretrained(path))
@@ -305,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--agent", action="store_true", help="with chat and tool-call tokens and a chat template")
+    p.add_argument("--tools", action="store_true", help="an agent model whose chat template renders tools and "
+                   "tool calls in the Hermes / Qwen form (<tool_call>{json}</tool_call>)")
     p.set_defaults(fn=_cmd_init_model)
 
     p = sub.add_parser("config", help="list every config key with its type, default and meaning")

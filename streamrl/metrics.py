@@ -71,6 +71,7 @@ class StepMetrics:
         c, judge = self.manager.counters, self.manager.judge
         return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tool_calls": c.tool_calls,
                 "tool_errors": c.tool_errors, "tool_s": c.tool_s, "prefix_mismatch": c.prefix_mismatch,
+                "tool_calls_parsed": c.tool_calls_parsed, "tool_parse_errors": c.tool_parse_errors,
                 **({"judge_calls": judge.counters.calls, "judge_failures": judge.counters.failures} if judge else {}),
                 **self.manager.rollout_counters()}
 
@@ -107,7 +108,8 @@ class StepMetrics:
             **{k: stats[k] for k in _COLOCATED if k in stats},
         }
         if self.manager.multi_turn:  # multi-turn: the step's turns and the tools since the last row
-            row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s", "prefix_mismatch")}
+            row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s", "prefix_mismatch",
+                                                            "tool_calls_parsed", "tool_parse_errors")}
         if self.manager.judge is not None:  # judge_s: per trained group, the wait for its judgments
             row |= {"judge_s": self._judge_s} | {k: cur[k] - last[k] for k in ("judge_calls", "judge_failures")}
         decisions = cur.pop("decisions", None)

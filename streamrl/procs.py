@@ -126,9 +126,8 @@ def run_stoppable(coro: Coroutine[Any, Any, T], *, on_stop: Callable[[], None] |
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    try:
+    try:  # only the import is guarded: an ImportError raised by the run itself is the run's error
         import uvloop
-
-        return uvloop.run(guarded())
     except ImportError:
         return asyncio.run(guarded())
+    return uvloop.run(guarded())

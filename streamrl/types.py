@@ -30,6 +30,7 @@ class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool: str | None = None  # tool: its name
     call: str | None = None  # tool: the call's arguments as the model wrote them
     error: str | None = None  # tool: why it failed (the observation says so too)
+    result: str | None = None  # tool run by the agent itself (`Episode.run_tool`): what it returned
     seconds: float = 0.0  # tool: how long it ran
 
 

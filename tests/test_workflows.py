@@ -299,10 +299,8 @@ async def test_the_capture_endpoint_refuses_what_it_cannot_record(agent_model_di
 
             assert (await post("/chat/completions", "{}", "text/plain"))[0] == 415
             assert (await post("/chat/completions", {"messages": "x"}))[0] == 400
-            code, msg = await post("/chat/completions", {"messages": [{"role": "user", "content": "9="}]})
-            assert code == 400 and "must begin with the session's prompt" in msg
             code, msg = await post("/chat/completions", {"messages": [], "stream": True})
-            assert code == 400 and "stream" in msg
+            assert code == 400 and "messages" in msg
             async with http.post(url.replace(url.split("/")[-2], "nope") + "/chat/completions", json={}) as r:
                 assert r.status == 404
             assert s.response_ids == []  # nothing refused was recorded
@@ -313,7 +311,7 @@ async def test_the_capture_endpoint_refuses_what_it_cannot_record(agent_model_di
                 body = await r.json()
             assert [t.kind for t in s.turns] == ["model"] and body["usage"]["completion_tokens"] == len(s.response_ids)
             code, msg = await post("/chat/completions", {"messages": user + [{"role": "user", "content": "2="}]})
-            assert code == 400 and "earlier answers" in msg
+            assert code == 400 and "rewrites a turn" in msg  # it leaves out the answer it had
             # the completions route: the session's text sent back verbatim, extended
             so_far = tok.decode(s.prompt_ids + s.response_ids, skip_special_tokens=False)
             code, msg = await post("/completions", {"prompt": "9" + so_far})

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-KNOWN_TASKS = ("addition", "multiply")  # built-in tasks (streamrl.tasks); kept here so config never imports them
+KNOWN_TASKS = ("addition", "multiply", "agent_multiply")  # built-in tasks (streamrl.tasks); kept here so config never imports them
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 JUDGE_TEMPLATE_FIELDS = ("prompt", "response", "answer", "metadata", "data_source")  # judge.prompt_template's
 
@@ -44,8 +44,9 @@ class ModelConfig(_Section):
     path: Annotated[str, _d("HF model folder: config.json, weights, tokenizer", min_length=1)] = (
         ".cache/streamrl/tiny-model"
     )
-    init: Annotated[Literal["none", "tiny", "tiny_agent"], _d(
-        "tiny: build a tiny model at path if missing; tiny_agent: with chat and tool-call tokens"
+    init: Annotated[Literal["none", "tiny", "tiny_agent", "tiny_tools"], _d(
+        "tiny: build a tiny model at path if missing; tiny_agent: with chat and tool-call tokens; tiny_tools: "
+        "a chat template that renders tools and tool calls in the Hermes / Qwen form"
     )] = "tiny"
     preset: Annotated[Literal["tiny", "small", "bench100m", "qwen2-0.1b", "qwen2.5-0.5b"], _d(
         "the shape init builds (random weights, the tiny vocabulary): tiny ~1 M parameters, small ~4 M, "
@@ -172,6 +173,10 @@ class RolloutConfig(_Section):
         "workflow(record, episode) (docs/agentic.md)", min_length=1,
     )] = "single_turn"
     max_turns: Annotated[int, _d("multi_turn_tools: model turns per sample at most", ge=1)] = 4
+    tool_parser: Annotated[str, _d(
+        "capture endpoint: how a model's answer is read as tool calls when the agent declares tools: hermes "
+        "(<tool_call>{json}</tool_call>, Hermes / Qwen templates) or 'module:function' (docs/agentic.md)",
+        min_length=1)] = "hermes"
     dynamic_sampling: Annotated[bool, _d(
         "DAPO's dynamic sampling: a group whose rewards are all equal (no GRPO signal) is not trained; its "
         "slot goes to a new prompt, so every batch holds schedule.batch_groups groups with signal"

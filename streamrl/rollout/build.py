@@ -31,6 +31,12 @@ def preflight(cfg: Config) -> None:
             ToolBox(cfg.tools)
         except PluginError as e:
             raise ConfigError("tools.functions", str(e)) from None
+        from .capture import load_parser
+
+        try:
+            load_parser(cfg.rollout.tool_parser)
+        except PluginError as e:
+            raise ConfigError("rollout.tool_parser", str(e)) from None
     sections = [("engines", cfg.engines)] + ([("judge.engines", cfg.judge.engines)] if cfg.judge.enabled else [])
     for key, e in sections:
         if e.pool == "http" and e.backend == "vllm" and not e.urls:

@@ -62,7 +62,9 @@ class RolloutCounters:
     tool_s: float = 0.0  # seconds tools ran, summed over calls
     groups_filtered: int = 0  # rollout.dynamic_sampling: groups with equal rewards, not trained
     filtered_in_a_row: int = 0
-    prefix_mismatch: int = 0  # OpenAI-endpoint calls whose history rendered unlike the tokens generated
+    prefix_mismatch: int = 0  # capture-endpoint calls whose history rendered unlike the tokens generated
+    tool_calls_parsed: int = 0  # tool calls the capture endpoint read from the model's answers
+    tool_parse_errors: int = 0  # answers whose tool-call text could not be read (returned as text)
 
 
 class RolloutManager:

@@ -25,6 +25,8 @@ Nothing here knows torch or the trainer: token ids, logprobs, versions and text.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -193,8 +195,8 @@ class Runner:
 
 
 class CaptureHost:
-    """The OpenAI-compatible capture endpoint (rollout/capture.py) of a run's episodes, started when
-    the first one asks (aiohttp is loaded then)."""
+    """The capture endpoint (rollout/capture/) of a run's episodes, started when the first one asks
+    (aiohttp is loaded then)."""
 
     def __init__(self) -> None:
         self._server: CaptureServer | None = None
@@ -346,6 +348,40 @@ class Episode:
         c.tool_s += result.seconds
         return result.observation
 
+    async def run_tool(self, name: str, args: str, fn: Callable[[str], Any]) -> str:
+        """Run a tool the agent calls itself (an SDK's function tool) once: `fn(args)`'s result is
+        journaled, so an episode resumed from a checkpoint gets it back instead of running it again.
+        Nothing is appended to the tokens (the agent sends the result back in its next call).
+        Exceptions propagate, as they would without the journal."""
+        recorded = self._replayed("tool")
+        if recorded is not None:
+            if recorded.tool != name or recorded.call != args:
+                raise ReplayError(f"the agent called {name}({args!r}) where its journal has "
+                                  f"{recorded.tool}({recorded.call!r}) (turn {self._cursor - 1})")
+            if recorded.error is not None:
+                raise RuntimeError(recorded.error)
+            return recorded.result or ""
+        result, error = None, None
+        async with self.ctx.runner.gate.call():
+            t0 = time.perf_counter()
+            try:
+                out = fn(args)
+                result = str(await out if inspect.isawaitable(out) else out)
+            except Exception as e:  # journaled too: a resumed episode sees the same failure
+                error = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                seconds = time.perf_counter() - t0
+                s = self.sample  # no await from here: the result and its turn are recorded together
+                s.turns.append(Turn(kind="tool", start=s.num_tokens, end=s.num_tokens, tool=name, call=args,
+                                    result=result, error=error, seconds=seconds))
+                self._cursor += 1
+                c = self.ctx.runner.counters
+                c.tool_calls += 1
+                c.tool_errors += error is not None
+                c.tool_s += seconds
+        return result
+
     def observe(self, text: str) -> None:
         """Environment text the model reads and is not trained on."""
         self.observe_ids(self.ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -356,13 +392,34 @@ class Episode:
             self._append_masked(ids, Turn(kind="tool", start=0, end=0))
 
     async def openai_url(self) -> str:
-        """The base URL of an OpenAI-compatible endpoint whose calls are this episode's turns
-        (rollout/capture.py): for agents written against the `openai` SDK."""
+        """The base URL of an OpenAI-compatible endpoint (Chat Completions, Responses) whose calls are
+        this episode's turns (rollout/capture/): for agents written against the `openai` or
+        `openai-agents` SDK."""
+        return await self._capture_root() + "/v1"
+
+    async def anthropic_url(self) -> str:
+        """The base URL of an Anthropic-compatible endpoint (Messages) whose calls are this episode's
+        turns: for agents written against the `anthropic` SDK (it adds `/v1/messages`)."""
+        return await self._capture_root()
+
+    async def _capture_root(self) -> str:
         if self.ctx.capture is None:
             raise RuntimeError("this run has no capture endpoint (a workflow other than single_turn opens one)")
         url = await self.ctx.capture.open(self)
         self.openai_urls.append(url)
         return url
+
+    @property
+    def answered(self) -> int:
+        """Response tokens up to the end of the last journal entry made or replayed so far: what the
+        agent has seen (an agent that starts again on a resumed sample sees its turns replayed)."""
+        return self.sample.turns[self._cursor - 1].end if self._cursor else 0
+
+    def adopt_prompt(self, ids: list[int]) -> None:
+        """The agent's first call brought its own prompt (instructions, tools): it becomes the sample's."""
+        assert not self.sample.response_ids and not self.sample.turns
+        self.sample.prompt_ids = list(ids)
+        self.sample.prompt_text = self.ctx.tokenizer.decode(ids, skip_special_tokens=False)
 
     def close(self) -> None:
         """The episode's OpenAI-endpoint sessions end with it."""

@@ -11,6 +11,8 @@ from .addition import addition_prompts
 from .addition import reward as addition_reward
 from .addition import warm_start as addition_warm_start
 from .addition_judge import warm_start as judge_warm_start
+from .agent_tools import reward as agent_reward
+from .agent_tools import warm_start as agent_warm_start
 from .multiply import multiply_prompts
 from .multiply import reward as multiply_reward
 from .multiply import warm_start as multiply_warm_start
@@ -28,4 +30,5 @@ class BuiltinTask:
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "addition": BuiltinTask(addition_prompts, addition_reward, addition_warm_start, judge_warm_start),
     "multiply": BuiltinTask(multiply_prompts, multiply_reward, multiply_warm_start),
+    "agent_multiply": BuiltinTask(multiply_prompts, agent_reward, agent_warm_start),
 }

@@ -59,6 +59,14 @@ def _example(tok: Any, prompt: str, answer: str, use_tool: bool) -> tuple[list[i
 def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 300, batch_size: int = 128,
                lr: float = 3e-3, label_noise: float = 0.5, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """Supervised steps on the sloppy teacher's trajectories; the result saved as an HF folder."""
+    return supervised(model_dir, out_dir, _example, task="multiply", steps=steps, batch_size=batch_size, lr=lr,
+                      label_noise=label_noise, seed=seed, device=device)
+
+
+def supervised(model_dir: str | Path, out_dir: str | Path, example: Any, *, task: str, steps: int,
+               batch_size: int, lr: float, label_noise: float, seed: int, device: str) -> dict[str, Any]:
+    """The sloppy teacher's loop: `example(tokenizer, prompt, answer, use_tool) -> (ids, loss mask)`
+    on the training products, the tool used with probability `1 - label_noise`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -70,7 +78,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 300, 
     model.train()
     losses, t0 = [], time.perf_counter()
     for _ in range(steps):
-        rows = [_example(tok, r["prompt"], r["answer"], rng.random() >= label_noise)
+        rows = [example(tok, r["prompt"], r["answer"], rng.random() >= label_noise)
                 for r in rng.sample(records, batch_size)]
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in rows], device=device)
@@ -83,7 +91,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 300, 
         opt.step()
         sched.step()
         losses.append(loss.item())
-    metrics = {"task": "multiply", "steps": steps, "batch_size": batch_size, "lr": lr, "label_noise": label_noise,
+    metrics = {"task": task, "steps": steps, "batch_size": batch_size, "lr": lr, "label_noise": label_noise,
                "seed": seed, **loss_window(losses),
                "train_seconds": time.perf_counter() - t0}
     return save_trained(model, tok, out_dir, metrics)

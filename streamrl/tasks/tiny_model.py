@@ -38,12 +38,43 @@ TOOL_TOKENS: tuple[str, ...] = ("<tool>", "</tool>", "<result>", "</result>")
 ADDED_TOKENS: tuple[str, ...] = CHAT_TOKENS + TOOL_TOKENS
 LETTERS: tuple[str, ...] = tuple("abcdefghijklmnopqrstuvwxyz")
 AGENT_TOKENS: tuple[str, ...] = TOKENS + ADDED_TOKENS + LETTERS
+# A tool-calling model (`tools=True`, `model.init: tiny_tools`, `init-model --tools`) has more again:
+# the tags of the Hermes / Qwen tool-call form, one token each, and the characters of JSON and of
+# tool signatures; its chat template (TOOLS_CHAT_TEMPLATE) renders tools and tool calls in that form.
+HERMES_TOKENS: tuple[str, ...] = ("<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>",
+                                  "</tool_response>")
+JSON_CHARS: tuple[str, ...] = tuple('{}"_().?!/')
+TOOLS_TOKENS: tuple[str, ...] = AGENT_TOKENS + HERMES_TOKENS + JSON_CHARS
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-TOKEN_TO_ID: dict[str, int] = {tok: i for i, tok in enumerate(AGENT_TOKENS)}
+TOKEN_TO_ID: dict[str, int] = {tok: i for i, tok in enumerate(TOOLS_TOKENS)}
 # A minimal chat template (jinja, as transformers renders it): <|role|>content<|end|> per message.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+# The tool-calling template: as above, and (Hermes / Qwen form) the tools declared in the system turn as
+# `<tools>name(arg,arg)...</tools>` (signatures, not whole JSON schemas: every character is a token
+# here), an assistant's tool calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after its
+# text, and a tool's result as a user turn `<tool_response>...</tool_response>`.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|system|>' }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% endif %}"
+    "{{ '<tools>' }}{% for t in tools %}{% set f = t['function'] if t['function'] is defined else t %}"
+    "{{ f['name'] + '(' }}{% if f['parameters'] is defined and f['parameters']['properties'] is defined %}"
+    "{{ f['parameters']['properties'] | list | join(',') }}{% endif %}{{ ')' }}{% endfor %}{{ '</tools><|end|>' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' %}{% if not tools %}{{ '<|system|>' + m['content'] + '<|end|>' }}{% endif %}"
+    "{%- elif m['role'] == 'assistant' %}{{ '<|assistant|>' }}{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "{% set f = c['function'] if c['function'] is defined else c %}"
+    "{{ '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "{{ '}</tool_call>' }}{% endfor %}{% endif %}{{ '<|end|>' }}"
+    "{%- elif m['role'] == 'tool' %}{{ '<|user|><tool_response>' + m['content'] + '</tool_response><|end|>' }}"
+    "{%- else %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
 # Same regex as transformers' Qwen2Tokenizer, so tokenizer.json matches what that class rebuilds.
@@ -51,7 +82,7 @@ _QWEN_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-_SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS + ADDED_TOKENS) + ")")
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS + ADDED_TOKENS + HERMES_TOKENS) + ")")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # ~1.05 M parameters: the model measured to learn 2-digit addition under RL on a 2-core CPU.
@@ -121,17 +152,18 @@ def char_tokenizer_ids(text: str) -> list[int]:
     """
     ids: list[int] = []
     for part in _SPECIAL_RE.split(text):
-        if part in TOKEN_TO_ID and (part in SPECIAL_TOKENS or part in ADDED_TOKENS):
+        if part in TOKEN_TO_ID and (part in SPECIAL_TOKENS or part in ADDED_TOKENS or part in HERMES_TOKENS):
             ids.append(TOKEN_TO_ID[part])
         else:
             ids.extend(TOKEN_TO_ID.get(ch, UNK_ID) for ch in part)
     return ids
 
 
-def build_tokenizer(agent: bool = False) -> Tokenizer:
+def build_tokenizer(agent: bool = False, tools: bool = False) -> Tokenizer:
     """The character-level tokenizer as a `tokenizers.Tokenizer` (byte-level BPE, zero merges)."""
-    tokens = AGENT_TOKENS if agent else TOKENS
-    vocab = {tok if tok in SPECIAL_TOKENS or tok in ADDED_TOKENS else _byte_level(tok): i
+    tokens = TOOLS_TOKENS if tools else AGENT_TOKENS if agent else TOKENS
+    added = ADDED_TOKENS + HERMES_TOKENS if tools else ADDED_TOKENS if agent else ()
+    vocab = {tok if tok in SPECIAL_TOKENS or tok in added else _byte_level(tok): i
              for i, tok in enumerate(tokens)}
     tok = Tokenizer(
         BPE(vocab=vocab, merges=[], unk_token="<unk>", continuing_subword_prefix="", end_of_word_suffix="")
@@ -144,13 +176,12 @@ def build_tokenizer(agent: bool = False) -> Tokenizer:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in SPECIAL_TOKENS + (ADDED_TOKENS if agent else ())])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + added])
     return tok
 
 
-def _write_tokenizer(out: Path, agent: bool = False) -> None:
-    tok = build_tokenizer(agent)
+def _write_tokenizer(out: Path, agent: bool = False, tools: bool = False) -> None:
+    tok = build_tokenizer(agent, tools)
     tok.save(str(out / "tokenizer.json"))
     # vocab.json + merges.txt let loaders that rebuild from files (Qwen2Tokenizer's slow path) agree too.
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -166,7 +197,9 @@ def _write_tokenizer(out: Path, agent: bool = False) -> None:
         "clean_up_tokenization_spaces": False,
         "add_prefix_space": False,
     }
-    if agent:
+    if tools:
+        config |= {"chat_template": TOOLS_CHAT_TEMPLATE, "extra_special_tokens": list(ADDED_TOKENS + HERMES_TOKENS)}
+    elif agent:
         config |= {"chat_template": CHAT_TEMPLATE, "extra_special_tokens": list(ADDED_TOKENS)}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
@@ -202,12 +235,15 @@ def build_tiny_model(
     seed: int = 0,
     arch: str = "qwen2",
     agent: bool = False,
+    tools: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a randomly initialised HF model folder for ``preset`` to ``out_dir`` and return its path.
 
     Same (preset, arch, agent, overrides, seed) gives bit-identical weights. ``agent``: the chat and
-    tool tokens, letters and a chat template too (the plain model's weights, with rows for them).
+    tool tokens, letters and a chat template too (the plain model's weights, with rows for them);
+    ``tools``: an agent model with the Hermes tool-call tags, JSON's characters, a template that
+    renders tools and tool calls, and 256 positions.
     Pass ``dtype="bfloat16"`` to store the weights in another dtype (default float32); other
     overrides are config fields.
     """
@@ -215,6 +251,9 @@ def build_tiny_model(
 
     dtype_name = str(overrides.pop("dtype", "float32"))
     dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    agent = agent or tools
+    if tools:
+        overrides.setdefault("max_position_embeddings", 256)
     config = model_config(preset, arch=arch, **overrides)  # the plain vocabulary unless overridden
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,14 +262,15 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if agent:  # rows for the added tokens from their own generator: the plain model's weights stay
-            _add_token_rows(model, len(AGENT_TOKENS) - len(TOKENS), seed, config.initializer_range)
+            added = (TOOLS_TOKENS if tools else AGENT_TOKENS)[len(TOKENS):]
+            _add_token_rows(model, len(added), seed, config.initializer_range)
     model = model.to(dtype)
     # An agent model's chat turns end with <|end|>, the token its template writes after an answer.
     eos = [EOS_ID, TOKEN_TO_ID["<|end|>"]] if agent else EOS_ID
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=eos, pad_token_id=PAD_ID,
                                                max_new_tokens=16)
     model.save_pretrained(out)
-    _write_tokenizer(out, agent)
+    _write_tokenizer(out, agent, tools)
     return out
 
 

@@ -160,7 +160,8 @@ def build_model(model: ModelConfig, *, section: str = "", log: Any = print) -> s
         from .tiny_model import build_tiny_model
 
         log(f"building tiny model at {path}")
-        build_tiny_model(path, preset=model.preset, seed=model.init_seed, agent=model.init == "tiny_agent")
+        build_tiny_model(path, preset=model.preset, seed=model.init_seed, agent=model.init == "tiny_agent",
+                         tools=model.init == "tiny_tools")
     return str(path)
 
 
