@@ -142,6 +142,37 @@ async def test_an_openai_agents_agent_calls_its_tool_through_the_endpoint(tok: A
     assert (manager.counters.tool_calls, manager.counters.tool_calls_parsed) == (1, 1)
 
 
+# ---- the Responses API with previous_response_id ---------------------------------------------------
+async def _respond(client: Any, stream: bool, **kw: Any) -> Any:
+    kw |= {"model": "policy", "instructions": INSTRUCTIONS,
+           "tools": [{"type": "function", "name": "calculator", "parameters": TOOL_SCHEMA}]}
+    if not stream:
+        return await client.responses.create(**kw)
+    events = [e async for e in await client.responses.create(stream=True, **kw)]
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    return events[-1].response
+
+
+async def test_responses_continue_a_conversation_by_previous_response_id(tok: Any) -> None:
+    out = {}
+    for stream in (False, True):
+        manager, ep = episode_for(tok, ScriptedPool(tok, [CALL, ANSWER]))
+        client = openai.AsyncOpenAI(base_url=await ep.openai_url(), api_key="streamrl", max_retries=0)
+        try:
+            r1 = await _respond(client, stream, input="123*45=")
+            [call] = r1.output
+            assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "calculator",
+                                                                           {"expression": "123*45"})
+            r2 = await _respond(client, stream, previous_response_id=r1.id,
+                              input=[{"type": "function_call_output", "call_id": call.call_id, "output": "5535"}])
+        finally:
+            await client.close()
+            await manager.aclose()
+        assert r2.output_text == "5535" and r2.status == "completed"
+        out[stream] = check_episode(tok, ep, manager)
+    assert out[False] == out[True]
+
+
 # ---- the anthropic SDK: tool_use blocks out, tool_result blocks in ---------------------------------
 async def test_anthropic_tool_use_round_trips_and_streaming_agrees(tok: Any) -> None:
     tools = [{"name": "calculator", "description": "", "input_schema": TOOL_SCHEMA}]

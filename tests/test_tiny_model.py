@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import STREAMRL
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
@@ -125,3 +127,31 @@ def test_unknown_preset_and_arch(tmp_path: Path) -> None:
         build_tiny_model(tmp_path, preset="huge")
     with pytest.raises(ValueError, match="unknown arch"):
         build_tiny_model(tmp_path, arch="gpt2")
+
+
+def test_a_tools_model_renders_tools_and_calls_in_the_hermes_form(tmp_path: Path) -> None:
+    """`init-model --tools` (through the console script): the agent model's weights with rows added,
+    a template that declares tools and writes calls as `<tool_call>{json}</tool_call>`, JSON's pieces
+    merged (a call ~20 tokens), and text that re-tokenizes to the same ids."""
+    out = tmp_path / "tools"
+    p = subprocess.run([*STREAMRL, "init-model", str(out), "--tools"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    tok = AutoTokenizer.from_pretrained(out)
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "3*4"}'}}
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3*4"},
+            {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "12"}]
+    text = tok.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert text == ('<|system|>be brief<tools>calculator(expression)</tools><|end|><|user|>3*4<|end|><|assistant|>'
+                    '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call><|end|>'
+                    '<|user|><tool_response>12</tool_response><|end|><|assistant|>')
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=False) == text and tok.unk_token_id not in ids
+    start, end = ids.index(tok.convert_tokens_to_ids("<tool_call>")), ids.index(tok.convert_tokens_to_ids("</tool_call>"))
+    assert end - start - 1 == 18  # {" name ": Ġ" calculator ", Ġ" arguments ": Ġ {" expression ": Ġ" 3 * 4 "}}
+    plain = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "agent", agent=True)).state_dict()
+    grown = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert grown["model.embed_tokens.weight"].shape[0] == len(tok) > len(AGENT_TOKENS)
+    for k, v in plain.items():
+        assert torch.equal(grown[k][: v.shape[0]], v), k

@@ -44,6 +44,11 @@ AGENT_TOKENS: tuple[str, ...] = TOKENS + ADDED_TOKENS + LETTERS
 HERMES_TOKENS: tuple[str, ...] = ("<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>",
                                   "</tool_response>")
 JSON_CHARS: tuple[str, ...] = tuple('{}"_().?!/')
+# ... and, as a real byte-level BPE has, merges for the pieces of JSON tool calls (Qwen's split regex
+# cuts `{"name": "calculator"` into `{"` `name` `":` ` "` `calculator` ...), so a call is ~20 tokens
+# rather than ~60: each piece one token (digits stay one character each, as in Qwen's tokenizer).
+JSON_PIECES: tuple[str, ...] = ('{"', '":', ' "', '",', ' {"', '"}', '"}}', "name", "arguments", "calculator",
+                                "expression")
 TOOLS_TOKENS: tuple[str, ...] = AGENT_TOKENS + HERMES_TOKENS + JSON_CHARS
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 TOKEN_TO_ID: dict[str, int] = {tok: i for i, tok in enumerate(TOOLS_TOKENS)}
@@ -159,14 +164,37 @@ def char_tokenizer_ids(text: str) -> list[int]:
     return ids
 
 
+def json_merges() -> tuple[list[str], list[tuple[str, str]]]:
+    """The tool model's merged tokens (byte-level, after TOOLS_TOKENS) and the merges that make them:
+    each piece built left to right, one character at a time."""
+    tokens: list[str] = []
+    merges: list[tuple[str, str]] = []
+    for piece in JSON_PIECES:
+        chars = [_byte_level(c) for c in piece]
+        prefix = chars[0]
+        for c in chars[1:]:
+            if (prefix, c) not in merges:
+                merges.append((prefix, c))
+                tokens.append(prefix + c)
+            prefix += c
+    return tokens, merges
+
+
+def tools_vocab_size() -> int:
+    return len(TOOLS_TOKENS) + len(json_merges()[0])
+
+
 def build_tokenizer(agent: bool = False, tools: bool = False) -> Tokenizer:
-    """The character-level tokenizer as a `tokenizers.Tokenizer` (byte-level BPE, zero merges)."""
+    """The character-level tokenizer as a `tokenizers.Tokenizer` (byte-level BPE, zero merges; the
+    tool model's has merges for JSON's pieces)."""
     tokens = TOOLS_TOKENS if tools else AGENT_TOKENS if agent else TOKENS
     added = ADDED_TOKENS + HERMES_TOKENS if tools else ADDED_TOKENS if agent else ()
     vocab = {tok if tok in SPECIAL_TOKENS or tok in added else _byte_level(tok): i
              for i, tok in enumerate(tokens)}
+    merged, merges = json_merges() if tools else ([], [])
+    vocab |= {t: len(vocab) + i for i, t in enumerate(merged)}
     tok = Tokenizer(
-        BPE(vocab=vocab, merges=[], unk_token="<unk>", continuing_subword_prefix="", end_of_word_suffix="")
+        BPE(vocab=vocab, merges=merges, unk_token="<unk>", continuing_subword_prefix="", end_of_word_suffix="")
     )
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -186,7 +214,8 @@ def _write_tokenizer(out: Path, agent: bool = False, tools: bool = False) -> Non
     # vocab.json + merges.txt let loaders that rebuild from files (Qwen2Tokenizer's slow path) agree too.
     vocab = tok.get_vocab(with_added_tokens=True)
     (out / "vocab.json").write_text(json.dumps(dict(sorted(vocab.items(), key=lambda kv: kv[1]))))
-    (out / "merges.txt").write_text("#version: 0.2\n")
+    merges = json_merges()[1] if tools else []
+    (out / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
     special = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
     config = {
         **special,
@@ -262,8 +291,8 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if agent:  # rows for the added tokens from their own generator: the plain model's weights stay
-            added = (TOOLS_TOKENS if tools else AGENT_TOKENS)[len(TOKENS):]
-            _add_token_rows(model, len(added), seed, config.initializer_range)
+            n = tools_vocab_size() if tools else len(AGENT_TOKENS)
+            _add_token_rows(model, n - len(TOKENS), seed, config.initializer_range)
     model = model.to(dtype)
     # An agent model's chat turns end with <|end|>, the token its template writes after an answer.
     eos = [EOS_ID, TOKEN_TO_ID["<|end|>"]] if agent else EOS_ID
