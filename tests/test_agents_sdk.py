@@ -44,10 +44,10 @@ def test_agents_quickstart_learns_to_call_the_tool_via_cli(tmp_path: Path) -> No
     summary = json.loads((run_dir / "summary.json").read_text())
     before, after = summary["eval_before"]["sampled"], summary["eval_after"]["sampled"]
     assert before <= 0.5 and after >= before + 0.35
-    assert mean("reward_mean", rows[-tenth:]) >= mean("reward_mean", rows[:tenth]) + 0.3
-    # the tool-call rate rises: the SDK ran the calculator through episode.run_tool, read from the
-    # model's tool calls; nothing was lost across weight updates
-    per_sample = [r["tool_calls"] / 64 for r in rows]
-    assert sum(per_sample[-tenth:]) / tenth > sum(per_sample[:tenth]) / tenth + 0.2
+    assert mean("reward_mean", rows[-tenth:]) >= before + 0.35
+    # the tool-call rate rises: the SDK ran the calculator (episode.run_tool) on the model's parsed
+    # calls in nearly every episode at the end; nothing was lost across weight updates
+    assert mean("turns_mean", rows[-tenth:]) >= rows[0]["turns_mean"] + 0.3
+    assert sum(r["tool_calls"] for r in rows[-tenth:]) >= 0.85 * 64 * tenth
     assert sum(r["tool_calls_parsed"] for r in rows) >= sum(r["tool_calls"] for r in rows) > 0
     assert sum(r["tokens_discarded"] for r in rows) == 0
