@@ -27,7 +27,7 @@ from streamrl.plugins import load_plugin
 from streamrl.rollout import LocalPool
 from streamrl.rollout.capture import load_parser
 from streamrl.rollout.runner import Episode, encode_prompt
-from streamrl.tasks import build_tiny_model
+from streamrl.tasks import Task, build_tiny_model
 from streamrl.tasks.agent_tools import INSTRUCTIONS, TOOL_SCHEMA, TOOLS
 from streamrl.types import Sample
 
@@ -327,3 +327,47 @@ async def test_an_sdk_call_interrupted_by_a_weight_update_loses_no_token(tools_m
     v = s.versions[turn.start:turn.end]
     assert 0 in v and v[-1] == 1 and v == sorted(v)  # went on at the new version
     assert manager.counters.tokens_discarded == 0 and s.num_resumes == 1
+
+
+async def test_a_run_checkpointed_mid_episode_resumes_the_sdk_agent_without_its_tool(tok: Any) -> None:
+    """The run's own snapshot / restore (as a checkpoint takes it) with the examples' openai-agents
+    workflow: the agent starts again, its first call and its tool are replayed from the journal, and
+    only the unfinished answer is generated."""
+    from streamrl.tasks.agent_tools import reward
+
+    def make(script: list[str], hold: int | None) -> tuple[Any, Any, Any, Any]:
+        pool = _Held(tok, script, hold)
+        manager, buffer, ctl = manager_for(pool, tok, workflow=f"{REPO / 'examples' / 'agents_sdk.py'}:solve",
+                                           tools=["calculator"], group_size=1, max_new_tokens=96)
+        manager.task = Task(train=[{"prompt": "123*45=", "answer": "5535"}], held_out=[], reward_fn=reward)
+        manager.prompts = manager.task.train
+        return pool, manager, buffer, ctl
+
+    pool, manager, _, _ = make([CALL, ANSWER], hold=1)
+    producer = asyncio.create_task(manager.run())
+    try:
+        await _until(lambda: len(pool.requests) == 2)  # the tool ran, the answer is being generated
+        async with manager.tool_gate.shut():
+            blob, counters = manager.snapshot()
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        await manager.aclose()
+    assert manager.counters.tool_calls == 1
+
+    pool, manager, buffer, ctl = make([ANSWER], hold=None)
+    [restored] = manager.restore(blob, prompts_drawn=counters["prompts_drawn"], next_seed=counters["next_seed"])
+    ctl.restore(version=0, trained_groups=0, queued=[], generating=[restored])
+    producer = asyncio.create_task(manager.run())
+    try:
+        [group] = await asyncio.wait_for(buffer.get_batch(1), 60)
+    except TimeoutError:
+        raise AssertionError(f"the resumed group did not finish: {manager.counters}") from None
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        await manager.aclose()
+    assert manager.counters.tool_calls == 0 and len(pool.requests) == 1  # replayed, not run; one answer generated
+    [s] = group.samples
+    assert [t.kind for t in s.turns] == ["model", "tool", "tool", "model"] and s.reward == 1.0
+    assert tok.decode(s.response_ids, skip_special_tokens=False) == CALL + OBSERVED + ANSWER

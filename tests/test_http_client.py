@@ -1,5 +1,6 @@
 """`JsonHttpClient.request` retries once, and only, when a pooled connection failed before the request
-was written (the server closed it while idle, so it never saw the request)."""
+was written (the server closed it while idle, so it never saw the request), or when the server dropped
+the connection of a call that may run twice (pause, resume)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,19 @@ async def test_a_second_reset_and_other_os_errors_are_raised() -> None:
     with pytest.raises(aiohttp.ClientOSError):
         await c.request("GET", "/health")
     assert c.calls == 1
+
+
+async def test_a_dropped_connection_is_retried_only_for_a_call_that_may_run_twice() -> None:
+    """The server may have seen a request whose connection it dropped: pause / resume go again once,
+    a generation does not (it would run twice)."""
+    c = _Flaky([aiohttp.ServerDisconnectedError()])
+    assert await c.request("POST", "/pause?mode=abort", idempotent=True) == {"ok": True, "body": None}
+    assert c.calls == 2
+    c = _Flaky([aiohttp.ServerDisconnectedError()])
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await c.request("POST", "/generate", {"text": "1"})
+    assert c.calls == 1
+    c = _Flaky([aiohttp.ServerDisconnectedError(), aiohttp.ServerDisconnectedError()])
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await c.request("POST", "/resume", idempotent=True)
+    assert c.calls == 2

@@ -67,11 +67,17 @@ class JsonHttpClient:
             )
         return self._session
 
-    async def request(self, method: str, path: str, payload: Any = None) -> Any:
-        """One call; returns the decoded JSON (or text / None for non-JSON bodies)."""
+    async def request(self, method: str, path: str, payload: Any = None, *, idempotent: bool = False) -> Any:
+        """One call; returns the decoded JSON (or text / None for non-JSON bodies). `idempotent`: a call
+        that may run twice (pause, resume) is also tried again when the server dropped the connection."""
         data = msgspec.json.encode(payload) if payload is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else None
         try:
+            return await self._request(method, path, data, headers)
+        except aiohttp.ServerDisconnectedError:
+            # The server may have seen it: only a call that can run twice goes again.
+            if not idempotent:
+                raise
             return await self._request(method, path, data, headers)
         except aiohttp.ClientOSError as e:
             # A pooled connection the server closed while it sat idle fails before the request is

@@ -191,10 +191,10 @@ class VLLMClient(JsonHttpClient):
         paused wait for resume."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
-        return await self.request("POST", f"/pause?mode={PAUSE_MODES[mode]}")
+        return await self.request("POST", f"/pause?mode={PAUSE_MODES[mode]}", idempotent=True)
 
     async def resume(self) -> dict[str, Any]:
-        return await self.request("POST", "/resume")
+        return await self.request("POST", "/resume", idempotent=True)
 
     async def is_paused(self) -> bool:
         return bool((await self.request("GET", "/is_paused"))["is_paused"])
