@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from .common import CAPTURE, Answer, read_json, send_events
 from .convo import Refused, check_messages, check_tools
-from .server import CAPTURE, Answer, CaptureServer, read_json, send_events
 
 
 class _Chat(msgspec.Struct, kw_only=True):
@@ -34,7 +34,7 @@ class _Completion(msgspec.Struct, kw_only=True):
     stream: bool = False
 
 
-def _server(request: web.Request) -> CaptureServer:
+def _server(request: web.Request) -> Any:
     return request.app[CAPTURE]
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from .common import CAPTURE, Answer, read_json, send_events
 from .convo import Refused, check_tools, text_of
-from .server import CAPTURE, Answer, CaptureServer, read_json, send_events
 
 
 class _Create(msgspec.Struct, kw_only=True):
@@ -81,7 +81,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    server: CaptureServer = request.app[CAPTURE]
+    server = request.app[CAPTURE]
     s = server.session(request)
     req = await read_json(request, _Create)
     if req.max_tokens < 1:

@@ -28,25 +28,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from aiohttp import web
 
+from .chat import chat_completions, completions
+from .common import CAPTURE, Answer, assistant_message
 from .convo import Refused, check_continues, new_tokens
+from .messages import create as create_message
+from .responses import create as create_response
 from .toolcalls import ToolParser, load_parser
 
 if TYPE_CHECKING:
     from ..runner import Episode
-
-
-@dataclass
-class Answer:
-    """One model turn as the APIs return it."""
-
-    text: str  # the content: the answer without its tool calls (all of it when they could not be read)
-    calls: list[tuple[str, str, str]]  # (call id, name, arguments as JSON text)
-    finish: str  # stop | length | tool_calls
-    prompt_tokens: int
-    completion_tokens: int
 
 
 @dataclass
@@ -67,14 +59,12 @@ class CaptureServer:
         self._parsers: dict[str, ToolParser] = {}
 
     async def start(self) -> str:
-        from . import chat, messages, responses
-
         app = web.Application(middlewares=[_errors], client_max_size=4 << 20)
         app[CAPTURE] = self
-        app.router.add_post("/s/{sid}/v1/chat/completions", chat.chat_completions)
-        app.router.add_post("/s/{sid}/v1/completions", chat.completions)
-        app.router.add_post("/s/{sid}/v1/responses", responses.create)
-        app.router.add_post("/s/{sid}/v1/messages", messages.create)
+        app.router.add_post("/s/{sid}/v1/chat/completions", chat_completions)
+        app.router.add_post("/s/{sid}/v1/completions", completions)
+        app.router.add_post("/s/{sid}/v1/responses", create_response)
+        app.router.add_post("/s/{sid}/v1/messages", create_message)
         app.router.add_get("/s/{sid}/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -149,38 +139,6 @@ class CaptureServer:
         if spec not in self._parsers:
             self._parsers[spec] = load_parser(spec)
         return self._parsers[spec]
-
-
-CAPTURE = web.AppKey("capture", CaptureServer)
-
-
-def assistant_message(content: str, calls: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """An answer as an OpenAI chat message (what the session expects to be sent back)."""
-    m: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        m["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-                           for cid, name, args in calls]
-    return m
-
-
-async def read_json(request: web.Request, cls: type) -> Any:
-    if request.content_type != "application/json":
-        raise Refused(415, "send JSON (Content-Type: application/json)")
-    try:
-        return msgspec.json.decode(await request.read(), type=cls)
-    except msgspec.DecodeError as e:
-        raise Refused(400, f"bad request: {e}") from None
-
-
-async def send_events(request: web.Request, events: list[tuple[str | None, Any]]) -> web.StreamResponse:
-    """Server-sent events: `(event name or None, data)`; data that is not a string is sent as JSON."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    for name, data in events:
-        body = data if isinstance(data, str) else msgspec.json.encode(data).decode()
-        await resp.write(((f"event: {name}\n" if name else "") + f"data: {body}\n\n").encode())
-    await resp.write_eof()
-    return resp
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
