@@ -77,9 +77,16 @@ def supervised(model_dir: str | Path, out_dir: str | Path, example: Any, *, task
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     losses, t0 = [], time.perf_counter()
+    rendered: dict[tuple[str, bool], tuple[list[int], list[int]]] = {}  # a chat template renders slowly
+
+    def row(r: dict[str, str], use_tool: bool) -> tuple[list[int], list[int]]:
+        key = (r["prompt"], use_tool)
+        if key not in rendered:
+            rendered[key] = example(tok, r["prompt"], r["answer"], use_tool)
+        return rendered[key]
+
     for _ in range(steps):
-        rows = [example(tok, r["prompt"], r["answer"], rng.random() >= label_noise)
-                for r in rng.sample(records, batch_size)]
+        rows = [row(r, rng.random() >= label_noise) for r in rng.sample(records, batch_size)]
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in rows], device=device)
         mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], device=device).bool()
