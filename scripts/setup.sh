@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ]; then
       .venv/bin/pip install --quiet torch==2.13.0
     fi
   fi
-  .venv/bin/pip install --quiet -e ".[dev,agents]"
+  .venv/bin/pip install --quiet -e ".[dev,agents,envs]"
   rm -f .venv/.streamrl-installed-*
   touch "$stamp"
 fi

@@ -53,13 +53,28 @@ class Rollout:
 def check(cfg: Config) -> Task:
     """Everything that can be checked before any work: the task and its rewards, the workflow, tools and
     engine installs, the judge's parse rule. A ConfigError naming the key otherwise."""
-    task = load_task(cfg.data, seed=cfg.seed, judge=cfg.judge.enabled)
     preflight(cfg)
+    if cfg.rollout.environment == "verifiers":
+        return _verifiers_task(cfg)
+    task = load_task(cfg.data, seed=cfg.seed, judge=cfg.judge.enabled)
     if cfg.judge.enabled:
         try:
             load_parser(cfg.judge.parse)
         except PluginError as err:
             raise ConfigError("judge.parse", str(err)) from None
+    return task
+
+
+def _verifiers_task(cfg: Config) -> Task:
+    """The prompts of a verifiers environment, its process started and holding them (rollout/verifiers_env.py)."""
+    from .rollout.verifiers_env import VerifiersEnv
+
+    if cfg.rollout.workflow != "single_turn":
+        raise ConfigError("rollout.workflow", "rollout.environment: verifiers runs the environment's own turns; "
+                                              "leave rollout.workflow unset")
+    env = VerifiersEnv.open(cfg.rollout.verifiers, Path(cfg.run_dir) / "verifiers.log")
+    task = env.task(cfg.data.eval_size)
+    task.environment = env
     return task
 
 
@@ -72,7 +87,12 @@ def prepare(cfg: Config, task: Task, *, log: Any = print, start: str | None = No
     from .trainer.lora import check_targets
 
     base = start or build_model(cfg.model, log=log)
-    check_prompts(task.train + task.held_out, AutoTokenizer.from_pretrained(base), base, cfg.rollout.max_new_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    check_prompts(task.train + task.held_out, tokenizer, base, cfg.rollout.max_new_tokens)
+    if cfg.data.source == "reasoning_gym":
+        from .tasks.gym_tasks import check_vocabulary
+
+        check_vocabulary(task.train + task.held_out, tokenizer)
     check_targets(base, cfg.trainer.lora)  # LoRA's target modules are the model's
     out = Prepared(task, base)
     if start is None:
@@ -102,8 +122,13 @@ async def assemble(cfg: Config, stack: AsyncExitStack, prepared: Prepared, *, mo
                    controller: StalenessController, buffer: RolloutBuffer, max_failed_in_a_row: int | None = -1,
                    ) -> Rollout:
     """The rollout side over `model_dir`, started inside `stack` (torn down in reverse): the judge first
-    up and last down, then the policy's engines and the manager."""
+    up and last down, then the policy's engines and the manager. The tools' MCP servers (tools.mcp) start
+    before them all: one that does not start stops the run before any engine does."""
     run_dir = Path(cfg.run_dir)
+    tools = ToolBox(cfg.tools) if cfg.rollout.workflow != "single_turn" else None
+    if tools is not None:
+        stack.push_async_callback(tools.aclose)  # also a start cut short: the servers already up stop
+        await tools.start(log_dir=run_dir)
     judge = None
     if prepared.judge_dir is not None:
         from transformers import AutoTokenizer
@@ -118,10 +143,15 @@ async def assemble(cfg: Config, stack: AsyncExitStack, prepared: Prepared, *, mo
                                                       seed=cfg.seed)
     else:
         scheduling = FreeRunning(buffer=buffer, pool=pool, seed=cfg.seed)
-    tools = ToolBox(cfg.tools) if cfg.rollout.workflow != "single_turn" else None
+    workflow = None
+    if prepared.task.environment is not None:
+        from .rollout.verifiers_env import VerifiersWorkflow
+
+        stack.push_async_callback(prepared.task.environment.aclose)
+        workflow = VerifiersWorkflow(prepared.task.environment)
     manager = RolloutManager(cfg.rollout, pool=pool, tokenizer=tokenizer, task=prepared.task, buffer=buffer,
                              controller=controller, seed=cfg.seed, max_failed_in_a_row=max_failed_in_a_row, tools=tools,
-                             judge=judge, scheduling=scheduling)
+                             judge=judge, scheduling=scheduling, workflow=workflow)
     stack.push_async_callback(manager.aclose)
     await stack.enter_async_context(pool)
     return Rollout(manager, judge)

@@ -179,6 +179,9 @@ def _print_summary(s: dict) -> None:
     t.add_column("after RL")
     for k in ("greedy", "sampled"):
         t.add_row(f"held-out accuracy ({k})", f"{s['eval_before'][k]:.3f}", f"{s['eval_after'][k]:.3f}")
+    for k in (k for k in s["eval_after"] if "/" in k):  # per task (data.tasks): sampled/<task>, greedy/<task>
+        t.add_row(f"  {k.split('/', 1)[1]} ({k.split('/', 1)[0]})", f"{s['eval_before'].get(k, float('nan')):.3f}",
+                  f"{s['eval_after'][k]:.3f}")
     for k in ("greedy", "sampled"):  # data.eval_reward against the training reward (a judge against exact match)
         if f"agreement_{k}" in s["eval_after"]:
             t.add_row(f"training reward agrees with eval_reward ({k})",

@@ -55,6 +55,7 @@ class StepMetrics:
         self.sinks = MetricSinks(logging, run_dir, run_config)
         self._poll: asyncio.Task[tuple[float, dict[str, Any]]] | None = None
         self._turns: dict[str, float] = {}
+        self._by_source: dict[str, float] = {}
         self._judge_s = 0.0
         self._last: dict[str, float] = {}
         self.t0 = time.perf_counter()
@@ -72,6 +73,7 @@ class StepMetrics:
         return {"t_pool": t_pool, "busy": ps["busy_s"], "prefill": ps.get("prefill_s", 0.0), "tool_calls": c.tool_calls,
                 "tool_errors": c.tool_errors, "tool_s": c.tool_s, "prefix_mismatch": c.prefix_mismatch,
                 "tool_calls_parsed": c.tool_calls_parsed, "tool_parse_errors": c.tool_parse_errors,
+                **{f"tool_errors/{cause}": n for cause, n in c.tool_error_causes.items()},
                 **({"judge_calls": judge.counters.calls, "judge_failures": judge.counters.failures} if judge else {}),
                 **self.manager.rollout_counters()}
 
@@ -104,12 +106,13 @@ class StepMetrics:
             "trainer_wait_s": stats["trainer_wait_s"], "train_s": stats["train_s"],
             "batch_parts": stats["batch_parts"], "clip_frac": stats.get("clip_frac", 0.0),
             "grad_norm": stats["grad_norm"], "skipped_samples": stats["skipped_samples"],
-            "buffer_size": cur["buffer_size"], **extra,
+            "buffer_size": cur["buffer_size"], **self._by_source, **extra,
             **{k: stats[k] for k in _COLOCATED if k in stats},
         }
         if self.manager.multi_turn:  # multi-turn: the step's turns and the tools since the last row
             row |= self._turns | {k: cur[k] - last[k] for k in ("tool_calls", "tool_errors", "tool_s", "prefix_mismatch",
                                                             "tool_calls_parsed", "tool_parse_errors")}
+            row |= {k: v - last.get(k, 0) for k, v in cur.items() if k.startswith("tool_errors/")}
         if self.manager.judge is not None:  # judge_s: per trained group, the wait for its judgments
             row |= {"judge_s": self._judge_s} | {k: cur[k] - last[k] for k in ("judge_calls", "judge_failures")}
         decisions = cur.pop("decisions", None)
@@ -134,6 +137,11 @@ class StepMetrics:
         self._judge_s = sum(waits) / len(waits) if waits else 0.0
         self._turns = {"turns_mean": sum(t.kind == "model" for s in samples for t in s.turns) / max(len(samples), 1),
                        "masked_token_frac": sum(s.num_tokens - sum(s.loss_mask) for s in samples) / max(tokens, 1)}
+        by_source: dict[str, list[float]] = {}  # a mixed dataset's tasks (data.tasks), each its own curve
+        for g in groups:
+            if g.meta.get("data_source") is not None:
+                by_source.setdefault(str(g.meta["data_source"]), []).extend(g.rewards)
+        self._by_source = {f"reward/{k}": sum(v) / len(v) for k, v in sorted(by_source.items()) if v}
 
     async def aclose(self) -> None:
         self.bar.__exit__(None, None, None)

@@ -144,5 +144,5 @@ async def publish(r: Run, step: int, stats: dict[str, Any]) -> None:
         extra["weight_sync_s"] = await r.manager.push_weights(r.trainer.weights(), version)
         r.controller.set_version(version)  # admission goes on at the new version
     if evaluating:
-        extra["eval_sampled"] = await r.manager.evaluate(temperature=r.cfg.rollout.temperature, seed=step)
+        extra |= await r.manager.evaluate_row(temperature=r.cfg.rollout.temperature, seed=step)  # and per task
     await r.metrics.write(step, stats, **extra)

@@ -25,6 +25,7 @@ from .schema import (
     ScheduleConfig,
     ToolsConfig,
     TrainerConfig,
+    VerifiersConfig,
     WarmStartConfig,
 )
 from .validate import validate
@@ -32,6 +33,6 @@ from .validate import validate
 __all__ = [
     "DATA_SUFFIXES", "KNOWN_TASKS", "BufferConfig", "Config", "ConfigError", "ControllerConfig", "DataConfig",
     "EnginesConfig", "JudgeConfig", "LoggingConfig", "ModelConfig", "RolloutConfig", "ScheduleConfig", "ToolsConfig",
-    "TrainerConfig", "WarmStartConfig", "config_from_dict",
+    "TrainerConfig", "VerifiersConfig", "WarmStartConfig", "config_from_dict",
     "describe_config", "dump_config", "load_config", "validate",
 ]

@@ -42,6 +42,12 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
 
 
+def _list_item_section(tp: Any) -> type | None:
+    """The settings group a `list[Section]` field holds (None for any other type)."""
+    args = typing.get_args(tp) if typing.get_origin(tp) is list else ()
+    return args[0] if args and _is_section(args[0]) else None
+
+
 def _union_args(tp: Any) -> tuple[Any, ...]:
     """Members of a union (one-tuple otherwise), each stripped of Annotated."""
     args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
@@ -76,6 +82,13 @@ def describe_config(cfg: Config | None = None) -> str:
             doc = f"{f.doc} [{f.rule}]" if f.rule else f.doc
             shown = msgspec.json.encode(value).decode()
             lines.append(f"{prefix}{name}: {_render_type(f.type)} = {shown}  # {doc}")
+            item = _list_item_section(f.type)
+            for x in msgspec.structs.fields(item) if item is not None else ():  # a list of groups (tools.mcp)
+                sf = _fields(item)[x.name]
+                default = x.default_factory() if x.default_factory is not msgspec.NODEFAULT else x.default
+                shown = "(required)" if x.required else f"= {msgspec.json.encode(default).decode()}"
+                sdoc = f"{sf.doc} [{sf.rule}]" if sf.rule else sf.doc
+                lines.append(f"{prefix}{name}[].{x.name}: {_render_type(sf.type)} {shown}  # {sdoc}")
 
     walk(Config, cfg if cfg is not None else Config(), "")
     return "\n".join(lines).lstrip("\n") + "\n"

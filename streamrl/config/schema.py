@@ -44,9 +44,10 @@ class ModelConfig(_Section):
     path: Annotated[str, _d("HF model folder: config.json, weights, tokenizer", min_length=1)] = (
         ".cache/streamrl/tiny-model"
     )
-    init: Annotated[Literal["none", "tiny", "tiny_agent", "tiny_tools"], _d(
+    init: Annotated[Literal["none", "tiny", "tiny_agent", "tiny_tools", "tiny_text"], _d(
         "tiny: build a tiny model at path if missing; tiny_agent: with chat and tool-call tokens; tiny_tools: "
-        "a chat template that renders tools and tool calls in the Hermes / Qwen form"
+        "a chat template that renders tools and tool calls in the Hermes / Qwen form; tiny_text: every printable "
+        "ASCII character and newline (English questions: data.source reasoning_gym), 128 positions"
     )] = "tiny"
     preset: Annotated[Literal["tiny", "small", "bench100m", "qwen2-0.1b", "qwen2.5-0.5b"], _d(
         "the shape init builds (random weights, the tiny vocabulary): tiny ~1 M parameters, small ~4 M, "
@@ -65,12 +66,20 @@ class WarmStartConfig(_Section):
     device: Annotated[Device, _d("device of the warm start; auto = cuda if available")] = "auto"
     warmup_steps: Annotated[Annotated[int, Meta(ge=0)] | None, _d(
         "linear learning-rate warmup before the cosine decay; null = the task recipe's own (addition: 0, "
-        "the judge's: 100)"
+        "the judge's: 100, reasoning_gym's: 30)"
     )] = None
 
 
+class GymTaskConfig(_Section):
+    name: Annotated[str, _d("a reasoning-gym task (dataset) name, e.g. basic_arithmetic", min_length=1)]
+    weight: Annotated[float, _d("its share of the training and held-out records, relative to the other tasks'", gt=0)] = 1.0
+    config: Annotated[dict[str, Any], _d(
+        "the generator's own settings (the fields of its config class; seed and size are streamrl's)"
+    )] = msgspec.field(default_factory=dict)
+
+
 class DataConfig(_Section):
-    task: Annotated[str | None, _d("built-in task name (exactly one of task / path)")] = "addition"
+    task: Annotated[str | None, _d("built-in task name (exactly one of task / path; source: default)")] = "addition"
     path: Annotated[str | None, _d("JSONL / Parquet prompts file (exactly one of task / path)")] = None
     prompt_key: Annotated[str, _d(
         "record field holding the prompt (text, or a chat-message list rendered by the chat template); "
@@ -89,6 +98,20 @@ class DataConfig(_Section):
         "reward of the held-out evaluation, as data.reward (or 'task': the built-in task's exact match); null = "
         "data.reward. Where it differs, evaluations also report how often the two rewards agree"
     )] = None
+    source: Annotated[Literal["default", "reasoning_gym"], _d(
+        "where the prompts come from: default = data.task or data.path; reasoning_gym = generated from data.tasks "
+        "by the reasoning-gym package (pip install 'streamrl[envs]'), scored by each task's own score_answer"
+    )] = "default"
+    tasks: Annotated[list[GymTaskConfig], _d(
+        "source reasoning_gym: the tasks mixed, each {name, weight, config}; metrics per task (docs/environments.md)"
+    )] = msgspec.field(default_factory=list)
+    train_size: Annotated[int, _d(
+        "source reasoning_gym: training records generated, shared among data.tasks by weight", ge=1
+    )] = 10000
+    answer_format: Annotated[str, _d(
+        "source reasoning_gym: the answer in a response: raw (all of it, stripped), a tag such as '<answer>' "
+        "(inside the last <answer>...</answer>), or a regex (its last match: group 1 if it has groups)", min_length=1
+    )] = "raw"
 
 
 class EnginesConfig(_Section):
@@ -156,6 +179,22 @@ class EnginesConfig(_Section):
     )
 
 
+class VerifiersConfig(_Section):
+    env: Annotated[str | None, _d(
+        "rollout.environment verifiers: the taskset id of an installed verifiers environment (its module), or "
+        "'module:function' / 'file.py:function' returning a verifiers.v1.Env (docs/environments.md)")] = None
+    args: Annotated[dict[str, Any], _d(
+        "an id: the environment config's fields (taskset.*, agent.harness.id, agent.runtime.type, ...); a function: "
+        "its keyword arguments")] = msgspec.field(default_factory=dict)
+    python: Annotated[str | None, _d(
+        "Python of verifiers' own environment; null = $STREAMRL_VERIFIERS_PYTHON or .venv-verifiers/bin/python "
+        "(bash scripts/setup_verifiers.sh)")] = None
+    local_python: Annotated[bool, _d(
+        "local (subprocess) runtimes run verifiers' bundled programs with that Python instead of a uv environment "
+        "per script (which needs uv and the network)")] = True
+    startup_timeout_s: Annotated[float, _d("seconds the environment may take to load and list its tasks", gt=0)] = 120.0
+
+
 class RolloutConfig(_Section):
     group_size: Annotated[int, _d("samples per prompt (GRPO group)", ge=1)] = 8
     max_new_tokens: Annotated[int, _d("response token budget per sample", ge=1)] = 8
@@ -173,6 +212,10 @@ class RolloutConfig(_Section):
         "workflow(record, episode) (docs/agentic.md)", min_length=1,
     )] = "single_turn"
     max_turns: Annotated[int, _d("multi_turn_tools: model turns per sample at most", ge=1)] = 4
+    environment: Annotated[Literal["none", "verifiers"], _d(
+        "none: prompts and rewards from data.*; verifiers: a verifiers environment (rollout.verifiers) gives the "
+        "prompts (its taskset), runs each episode (its harness and tools) and scores it (its rewards)")] = "none"
+    verifiers: Annotated[VerifiersConfig, _d("rollout.environment: verifiers")] = _sec(VerifiersConfig)
     tool_parser: Annotated[str, _d(
         "capture endpoint: how a model's answer is read as tool calls when the agent declares tools: hermes "
         "(<tool_call>{json}</tool_call>, Hermes / Qwen templates) or 'module:function' (docs/agentic.md)",
@@ -187,18 +230,72 @@ class RolloutConfig(_Section):
     )] = 8
 
 
+class McpServerConfig(_Section):
+    name: Annotated[str, _d(
+        "the server's name, in errors and logs, and before its tools' names with prefix: true (letters, digits, _ -)",
+        pattern=r"^[A-Za-z0-9_-]+$",
+    )]
+    command: Annotated[list[str], _d(
+        "the command that starts the server on stdio, e.g. [python, examples/mcp_calculator_server.py]; "
+        "python is the run's own interpreter", min_length=1,
+    )]
+    env: Annotated[dict[str, str], _d(
+        "environment of the server, over the mcp SDK's minimal one (HOME, LOGNAME, PATH, SHELL, TERM, USER)"
+    )] = msgspec.field(default_factory=dict)
+    cwd: Annotated[str | None, _d("working directory of the server; null = the run's")] = None
+    timeout_s: Annotated[PosFloatOrNone, _d(
+        "a call to one of its tools running longer is an error observation; null = tools.timeout_s"
+    )] = None
+    startup_timeout_s: Annotated[float, _d(
+        "seconds the server may take to start and list its tools (at run start, and when it is restarted)", gt=0,
+    )] = 30.0
+    prefix: Annotated[bool, _d("its tools are named NAME_TOOL (name, then the server's tool name), not TOOL")] = False
+
+
+class PythonToolConfig(_Section):
+    enabled: Annotated[bool, _d(
+        "offer the built-in tool `python`: the model's code (the text of the call, or {\"code\": ...}) runs "
+        "in a sandbox, a fresh one per call (docs/environments.md)"
+    )] = False
+    timeout_s: Annotated[float, _d("wall-clock seconds a call may run; then all its processes are killed", gt=0)] = (
+        10.0
+    )
+    cpu_s: Annotated[int, _d("CPU seconds each of its processes may use (RLIMIT_CPU)", ge=1)] = 10
+    memory_mb: Annotated[int, _d("address space of each of its processes, MiB (RLIMIT_AS)", ge=64)] = 512
+    max_processes: Annotated[int, _d(
+        "processes and threads it may have at once, itself included (RLIMIT_NPROC, counted in a user "
+        "namespace of its own)", ge=1,
+    )] = 8
+    max_file_mb: Annotated[int, _d(
+        "MiB it may write: each file (RLIMIT_FSIZE) and, with namespaces, its whole working directory (a tmpfs)",
+        ge=1,
+    )] = 16
+    max_output_bytes: Annotated[int, _d(
+        "stdout and stderr together; a call that writes more is killed and its output cut there", ge=1,
+    )] = 16384
+    network: Annotated[Literal["none", "allowed"], _d(
+        "none: a network namespace of its own (a loopback that is down), and the tool refuses to start where "
+        "the kernel makes none; allowed: the host's network"
+    )] = "none"
+
+
 class ToolsConfig(_Section):
     functions: Annotated[list[str], _d(
         "tools the model may call: 'calculator' (built in) or 'name=module:function' (sync or async, "
         "one str argument, returns the observation)"
     )] = msgspec.field(default_factory=lambda: ["calculator"])
     timeout_s: Annotated[float, _d("a tool call running longer is an error observation", gt=0)] = 5.0
+    mcp: Annotated[list[McpServerConfig], _d(
+        "MCP servers started over stdio for the run's life, each {name, command, env, cwd, timeout_s, "
+        "startup_timeout_s, prefix}; their tools are called like tools.functions' (docs/environments.md)"
+    )] = msgspec.field(default_factory=list)
     call_open: Annotated[str, _d("text that opens a tool call: call_open NAME: ARGS call_close", min_length=1)] = (
         "<tool>"
     )
     call_close: Annotated[str, _d("text that closes a tool call (generation stops there)", min_length=1)] = "</tool>"
     result_open: Annotated[str, _d("text before a tool's observation (masked out of the loss)")] = "<result>"
     result_close: Annotated[str, _d("text after a tool's observation (masked out of the loss)")] = "</result>"
+    python: Annotated[PythonToolConfig, _d("the built-in sandboxed Python tool `python`")] = _sec(PythonToolConfig)
 
 
 class JudgeConfig(_Section):

@@ -3,6 +3,7 @@
 import difflib
 import importlib.util
 import re
+import shutil
 import string
 from pathlib import Path
 
@@ -23,11 +24,12 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
             raise ConfigError(
                 "model.path", f"folder '{m.path}' does not exist (or set model.init=tiny to build one)"
             )
+    _check_reasoning_gym(cfg)
     if d.task is not None and d.path is not None:
         raise ConfigError(
             "data.path", "data.task and data.path are both set; set exactly one (e.g. data.task=null)"
         )
-    if d.task is None and d.path is None:
+    if d.task is None and d.path is None and d.source == "default":
         raise ConfigError("data.task", "neither data.task nor data.path is set; set exactly one")
     if d.task is not None and d.task not in KNOWN_TASKS:
         close = difflib.get_close_matches(d.task, KNOWN_TASKS, n=1)
@@ -49,6 +51,7 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         name, eq, target = spec.partition("=")
         if not (name == "calculator" and not eq) and not (eq and name.isidentifier() and _REWARD_RE.match(target)):
             raise ConfigError(f"tools.functions[{i}]", f"expected 'calculator' or 'name=module:function', got '{spec}'")
+    _check_mcp(cfg, check_paths)
     if e.max_total_tokens is not None and e.max_total_tokens < cfg.rollout.max_new_tokens:
         raise ConfigError(
             "engines.max_total_tokens",
@@ -93,6 +96,60 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         raise ConfigError("rollout.dynamic_sampling", "needs rollout.group_size >= 2 (a group of one has no variance)")
     if cfg.controller.deterministic:
         _check_deterministic(cfg)
+
+
+def _check_mcp(cfg: Config, check_paths: bool) -> None:
+    """tools.mcp: the mcp SDK installed, servers named once, run by a workflow that calls tools, from commands
+    that exist (one that exists but does not start is found when the run starts it, before any engine)."""
+    if cfg.tools.mcp and cfg.rollout.workflow == "single_turn":
+        raise ConfigError("tools.mcp", "rollout.workflow: single_turn calls no tools; set multi_turn_tools or your "
+                                       "own workflow")
+    if cfg.tools.mcp and importlib.util.find_spec("mcp") is None:
+        raise ConfigError("tools.mcp", "the mcp package is not installed (pip install 'mcp>=2,<3')")
+    seen: dict[str, int] = {}
+    for i, s in enumerate(cfg.tools.mcp):
+        key = f"tools.mcp[{i}]"
+        if s.name in seen:
+            raise ConfigError(f"{key}.name", f"'{s.name}' is also the name of tools.mcp[{seen[s.name]}]")
+        seen[s.name] = i
+        if not check_paths:
+            continue
+        if s.cwd is not None and not Path(s.cwd).is_dir():
+            raise ConfigError(f"{key}.cwd", f"folder '{s.cwd}' does not exist")
+        exe = s.command[0]
+        if exe == "python":  # the run's own interpreter (rollout/mcp_tools.py)
+            continue
+        if "/" in exe and s.cwd is not None:  # a relative path is the server's, from its cwd
+            exe = str(Path(s.cwd) / exe)
+        if shutil.which(exe, path=s.env.get("PATH")) is None:
+            raise ConfigError(f"{key}.command", f"'{s.command[0]}' is not an executable file"
+                                                + ("" if "/" in exe else " on PATH"))
+
+
+def _check_reasoning_gym(cfg: Config) -> None:
+    """data.source: reasoning_gym's own rules; the task names and generator settings are checked by the
+    package itself when the records are made (streamrl/tasks/gym_tasks.py), before any work."""
+    d = cfg.data
+    if d.source != "reasoning_gym":
+        if d.tasks:
+            raise ConfigError("data.tasks", "only read with data.source: reasoning_gym")
+        return
+    if d.path is not None:
+        raise ConfigError("data.path", "data.source: reasoning_gym generates its prompts; set data.path=null")
+    if not d.tasks:
+        raise ConfigError("data.tasks", "data.source: reasoning_gym needs at least one task, e.g. "
+                                        "[{name: basic_arithmetic, config: {max_terms: 2}}]")
+    for i, t in enumerate(d.tasks):
+        taken = sorted({"seed", "size"} & set(t.config))
+        if taken:
+            raise ConfigError(f"data.tasks[{i}].config", f"{' and '.join(taken)}: streamrl's to set (from the run's "
+                                                         "seed, data.train_size and data.eval_size)")
+    if d.answer_format != "raw":
+        try:
+            re.compile(d.answer_format)
+        except re.error as err:
+            raise ConfigError("data.answer_format", f"expected raw, a tag such as '<answer>', or a regex; "
+                                                    f"'{d.answer_format}' is not a valid regex ({err})") from None
 
 
 def _check_lora(cfg: Config) -> None:
@@ -194,7 +251,7 @@ def _check_judge(cfg: Config) -> None:
                           if unknown else "names no field; it needs at least {response}")
     if j.parse not in ("yes_no", "number") and not _REWARD_RE.match(j.parse):
         raise ConfigError("judge.parse", f"expected yes_no, number, 'module:function' or 'file.py:function', got '{j.parse}'")
-    if j.warm_start.enabled and d.task != "addition":
+    if j.warm_start.enabled and (d.task != "addition" or d.source != "default"):
         raise ConfigError("judge.warm_start.enabled", "the built-in judge warm start grades data.task: addition; "
                                                       f"bring a trained judge (judge.model.path) for {d.task or d.path}")
     if j.warm_start.enabled and j.model.init == "tiny":

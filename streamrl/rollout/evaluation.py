@@ -19,14 +19,15 @@ if TYPE_CHECKING:
 
 async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int = 12345,
                              records: list[dict[str, Any]] | None = None,
-                             compare: bool = True) -> tuple[float, float | None]:
+                             compare: bool = True) -> tuple[float, float | None, dict[str, float]]:
     """The mean evaluation reward over `records` (default: the task's held-out ones; NaN without any),
-    and the share of responses on which the evaluation and training rewards agree (both >= 0.5 or both
-    below; None where they are one reward, or with `compare` off). A response whose evaluation reward
-    fails (a judge's) counts in neither; one whose training reward fails, in the mean only."""
+    the share of responses on which the evaluation and training rewards agree (both >= 0.5 or both
+    below; None where they are one reward, or with `compare` off), and the mean per record `data_source`
+    (a mixed dataset's task; empty where no record names one). A response whose evaluation reward fails
+    (a judge's) counts in neither; one whose training reward fails, in the mean only."""
     records = m.task.held_out if records is None else records
     if not records:
-        return float("nan"), None
+        return float("nan"), None, {}
     compare = compare and m.task.eval_fn is not None and m.task.eval_fn is not m.task.reward_fn
 
     async def reward(score: Any, text: str, r: dict[str, Any]) -> float | None:
@@ -43,6 +44,8 @@ async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int
         s = Sample(group_id=rid, prompt_ids=m.encode(r["prompt"]), meta={"answer": r.get("answer", "")})
         await m.run_episodes([s], r, sampling={"temperature": temperature, "sampling_seed": seed + i})
         text = m.response_text(s)
+        if "env_reward" in s.meta:  # an environment that scores its own episodes (rollout.environment)
+            return float(s.meta["env_reward"]), None
         ev = await reward(m.task.score_eval, text, r)
         return ev, (await reward(m.task.score, text, r) if compare else None)
 
@@ -52,4 +55,8 @@ async def evaluate_agreement(m: RolloutManager, *, temperature: float, seed: int
         raise RolloutFailed("held-out evaluation: the judge failed on every response (see judge_failures)")
     both = [(e, t) for e, t in pairs if e is not None and t is not None]
     agreement = sum((e >= 0.5) == (t >= 0.5) for e, t in both) / len(both) if both else None
-    return sum(scores) / len(scores), agreement
+    by_source: dict[str, list[float]] = {}
+    for r, (e, _) in zip(records, pairs, strict=True):
+        if e is not None and r.get("data_source") is not None:
+            by_source.setdefault(str(r["data_source"]), []).append(e)
+    return sum(scores) / len(scores), agreement, {k: sum(v) / len(v) for k, v in by_source.items()}

@@ -25,7 +25,7 @@ import inspect
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -39,7 +39,7 @@ from .lockstep import FreeRunning, Lockstep
 from .pools import EnginePool
 from .runner import CaptureHost, Context, Episode, Runner, ToolGate, encode_prompt
 from .tools import ToolBox
-from .workflows import is_group_workflow, load_workflow
+from .workflows import Workflow, is_group_workflow, load_workflow
 
 if TYPE_CHECKING:
     from ..tasks import Task
@@ -59,6 +59,7 @@ class RolloutCounters:
     last_error: str | None = None  # why the last failed group failed, for a user-facing message
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_error_causes: dict[str, int] = field(default_factory=dict)  # cause -> failed calls
     tool_s: float = 0.0  # seconds tools ran, summed over calls
     groups_filtered: int = 0  # rollout.dynamic_sampling: groups with equal rewards, not trained
     filtered_in_a_row: int = 0
@@ -71,13 +72,13 @@ class RolloutManager:
     def __init__(self, cfg: RolloutConfig, *, pool: EnginePool, tokenizer: Any, task: Task, buffer: RolloutBuffer,
                  controller: StalenessController, seed: int = 0, max_failed_in_a_row: int | None = -1,
                  tools: ToolBox | None = None, judge: Any = None, scheduling: FreeRunning | Lockstep | None = None,
-                 ) -> None:
+                 workflow: Workflow | None = None) -> None:
         """`task`: the prompts it draws from (`train`), the ones it evaluates on (`held_out`) and the
         reward. `max_failed_in_a_row`: after that many failed groups with none finishing in between,
         `run()` raises RolloutFailed instead of hanging (default: four batches' worth); None retries
         failed groups forever. `tools`: what a workflow's model may call. `judge`: the judge client
         (streamrl.judge), given to rewards that take one. `scheduling`: the strategy (default
-        `FreeRunning`)."""
+        `FreeRunning`). `workflow`: an environment's own (rollout.environment), over `rollout.workflow`."""
         if not task.train:
             raise ValueError("RolloutManager needs at least one prompt")
         self.cfg, self.pool, self.tokenizer, self.task, self.judge = cfg, pool, tokenizer, task, judge
@@ -90,8 +91,8 @@ class RolloutManager:
         self._generating: dict[str, Group] = {}  # groups admitted and not finished, samples as they stand
         self._restored: list[Group] = []
         self.scheduling = scheduling or FreeRunning(buffer=buffer, pool=pool, seed=seed)
-        self.workflow = load_workflow(cfg.workflow)
-        self.multi_turn = cfg.workflow != "single_turn"
+        self.workflow = workflow or load_workflow(cfg.workflow)
+        self.multi_turn = workflow is not None or cfg.workflow != "single_turn"
         self.runner = Runner(pool, cfg, self.counters, self.scheduling.seed)
         self.capture = CaptureHost()  # the OpenAI-compatible endpoint, started when an episode asks
         self.ctx = Context(self.runner, tokenizer, tools, self.capture)
@@ -292,7 +293,8 @@ class RolloutManager:
             if self.judge is not None:
                 s.meta["judge"] = []  # afresh: a group resumed from a checkpoint may have been half judged
                 judge = self.judge.recording(s.meta["judge"])
-            r = self.task.score(s.response_text, record, judge)
+            # An environment that scores its own episodes (rollout.environment) left the score on the sample.
+            r = s.meta["env_reward"] if "env_reward" in s.meta else self.task.score(s.response_text, record, judge)
             if inspect.isawaitable(r):
                 pending.append((s, r))
             else:
@@ -311,13 +313,20 @@ class RolloutManager:
         through the engines (not the trainer): what a user of the weights would see. NaN without records."""
         return (await evaluate_agreement(self, temperature=temperature, seed=seed, records=records, compare=False))[0]
 
+    async def evaluate_row(self, *, temperature: float, seed: int) -> dict[str, float]:
+        """`evaluate` as a metrics row's fields: `eval_sampled`, and `eval/<task>/accuracy` per held-out
+        `data_source` (the tasks of a mixed dataset)."""
+        score, _, by_source = await evaluate_agreement(self, temperature=temperature, seed=seed, compare=False)
+        return {"eval_sampled": score, **{f"eval/{k}/accuracy": v for k, v in by_source.items()}}
+
     async def evaluate_held_out(self) -> dict[str, float]:
-        """Held-out accuracy, greedy and at the rollout temperature (and the rewards' agreement, where
-        the evaluation has its own reward)."""
+        """Held-out accuracy, greedy and at the rollout temperature (`greedy/<task>`, `sampled/<task>` per
+        held-out `data_source`; and the rewards' agreement, where the evaluation has its own reward)."""
         out: dict[str, float] = {}
         for name, temperature in (("greedy", 0.0), ("sampled", self.cfg.temperature)):
-            score, agreement = await evaluate_agreement(self, temperature=temperature)
+            score, agreement, by_source = await evaluate_agreement(self, temperature=temperature)
             out[name] = score
+            out |= {f"{name}/{k}": v for k, v in by_source.items()}
             if agreement is not None:
                 out[f"agreement_{name}"] = agreement
         return out

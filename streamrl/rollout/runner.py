@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ..buffer.waiters import Waiters
 from ..config import RolloutConfig
 from ..types import Sample, Turn
+from .tools import ToolError, ToolResult
 
 if TYPE_CHECKING:
     from .capture import CaptureServer
@@ -345,6 +346,9 @@ class Episode:
         c = self.ctx.runner.counters
         c.tool_calls += 1
         c.tool_errors += result.error is not None
+        if result.error is not None:
+            cause = result.cause or "exception"
+            c.tool_error_causes[cause] = c.tool_error_causes.get(cause, 0) + 1
         c.tool_s += result.seconds
         return result.observation
 
@@ -352,7 +356,8 @@ class Episode:
         """Run a tool the agent calls itself (an SDK's function tool) once: `fn(args)`'s result is
         journaled, so an episode resumed from a checkpoint gets it back instead of running it again.
         Nothing is appended to the tokens (the agent sends the result back in its next call).
-        Exceptions propagate, as they would without the journal."""
+        Exceptions propagate, as they would without the journal. `fn` may be `ToolBox.call` (its name
+        given): its ToolResult comes back as the observation, an error one too (counted by cause)."""
         recorded = self._replayed("tool")
         if recorded is not None:
             if recorded.tool != name or recorded.call != args:
@@ -361,14 +366,19 @@ class Episode:
             if recorded.error is not None:
                 raise RuntimeError(recorded.error)
             return recorded.result or ""
-        result, error = None, None
+        result, error, cause = None, None, None
         async with self.ctx.runner.gate.call():
             t0 = time.perf_counter()
             try:
                 out = fn(args)
-                result = str(await out if inspect.isawaitable(out) else out)
+                out = await out if inspect.isawaitable(out) else out
+                if isinstance(out, ToolResult):
+                    cause = (out.cause or "exception") if out.error is not None else None
+                    out = out.observation
+                result = str(out)
             except Exception as e:  # journaled too: a resumed episode sees the same failure
                 error = f"{type(e).__name__}: {e}"
+                cause = e.cause if isinstance(e, ToolError) else "exception"
                 raise
             finally:
                 seconds = time.perf_counter() - t0
@@ -378,7 +388,9 @@ class Episode:
                 self._cursor += 1
                 c = self.ctx.runner.counters
                 c.tool_calls += 1
-                c.tool_errors += error is not None
+                c.tool_errors += cause is not None
+                if cause is not None:
+                    c.tool_error_causes[cause] = c.tool_error_causes.get(cause, 0) + 1
                 c.tool_s += seconds
         return result
 

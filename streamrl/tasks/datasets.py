@@ -173,6 +173,7 @@ class Task:
     eval_fn: Callable[..., Any] | None = None
     warm_start: Callable[..., dict[str, Any]] | None = None  # the policy's (tasks.warm), a built-in task's
     judge_warm_start: Callable[..., dict[str, Any]] | None = None  # a judge that grades this task
+    environment: Any = None  # rollout.environment's handle (rollout/verifiers_env.py): its workflow and process
 
     def __post_init__(self) -> None:
         self._extras = {id(f): _reward_extras(f) for f in (self.reward_fn, self.eval_fn) if f is not None}
@@ -239,14 +240,22 @@ def _reward(spec: str | None, default: Callable[..., Any], key: str) -> Callable
 
 def load_task(cfg: DataConfig, *, seed: int = 0, judge: bool = False) -> Task:
     """The built-in task `data.task`, or the records of `data.path` (the first `eval_size` held out,
-    at most a fifth), scored by `data.reward` (`math`: the built-in math-verify check) or the task's
+    at most a fifth), or those `data.tasks` generates (`data.source: reasoning_gym`, tasks/gym_tasks.py), scored by `data.reward` (`math`: the built-in math-verify check) or the task's
     own exact match (`data.eval_reward` likewise for the held-out evaluation). `judge`: whether a judge
     will be given to rewards that take one. A file, key or reward that cannot be loaded is a ConfigError
     naming its key."""
-    builtin = load_plugin(cfg.task, "task", BUILTIN_TASKS) if cfg.task is not None else None
+    builtin = load_plugin(cfg.task, "task", BUILTIN_TASKS) if cfg.task is not None and cfg.source == "default" else None
     reward: Callable[..., Any] = exact_match  # the task's own exact match, also for files ("task")
-    if builtin is not None:
-        train, held = builtin.prompts("train", seed=seed), builtin.prompts("held_out", seed=seed)
+    gym_warm_start = None
+    if cfg.source == "reasoning_gym":
+        from .gym_tasks import gym_data
+        from .gym_warm import make_recipe
+
+        gym = gym_data(cfg, seed=seed)
+        train, held, reward = gym.train, gym.held_out, gym.reward
+        gym_warm_start = make_recipe(gym, cfg.answer_format)
+    elif builtin is not None:
+        train, held = builtin.prompts("train", seed=seed), builtin.prompts("held_out", seed=seed)[: cfg.eval_size]
         reward = builtin.reward
     else:
         assert cfg.path is not None  # validate() guarantees exactly one of task / path
@@ -262,8 +271,8 @@ def load_task(cfg: DataConfig, *, seed: int = 0, judge: bool = False) -> Task:
         train, held = records[n_eval:], records[:n_eval]
     train_fn = _reward(cfg.reward, reward, "data.reward")
     eval_fn = None if cfg.eval_reward is None else _reward(cfg.eval_reward, reward, "data.eval_reward")
-    task = Task(train=train, held_out=held[: cfg.eval_size], reward_fn=train_fn, eval_fn=eval_fn,
-                warm_start=builtin.warm_start if builtin else None,
+    task = Task(train=train, held_out=held, reward_fn=train_fn, eval_fn=eval_fn,
+                warm_start=builtin.warm_start if builtin else gym_warm_start,
                 judge_warm_start=builtin.judge_warm_start if builtin else None)
     if task.needs_judge and not judge:
         key = "data.reward" if "judge" in task._extras[id(train_fn)] else "data.eval_reward"

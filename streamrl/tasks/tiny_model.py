@@ -50,6 +50,10 @@ JSON_CHARS: tuple[str, ...] = tuple('{}"_().?!/')
 JSON_PIECES: tuple[str, ...] = ('{"', '":', ' "', '",', ' {"', '"}', '"}}', "name", "arguments", "calculator",
                                 "expression")
 TOOLS_TOKENS: tuple[str, ...] = AGENT_TOKENS + HERMES_TOKENS + JSON_CHARS
+# A text model (`text=True`, `model.init: tiny_text`) has, after the plain model's tokens, every other
+# printable ASCII character and the newline, one token each: the questions of reasoning-gym's tasks are
+# English text. No chat template, no added tokens; the plain model's ids and their rows' weights stay.
+TEXT_TOKENS: tuple[str, ...] = TOKENS + tuple(c for c in map(chr, range(33, 127)) if c not in CHARS) + ("\n",)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 TOKEN_TO_ID: dict[str, int] = {tok: i for i, tok in enumerate(TOOLS_TOKENS)}
 # A minimal chat template (jinja, as transformers renders it): <|role|>content<|end|> per message.
@@ -147,6 +151,8 @@ def _byte_level(char: str) -> str:
         return char
     if char == " ":
         return "Ġ"  # byte 0x20 -> U+0120 in the GPT-2 byte-level alphabet
+    if char == "\n":
+        return "Ċ"  # byte 0x0A -> U+010A
     raise ValueError(f"character {char!r} is outside the tiny vocabulary's byte-level mapping")
 
 
@@ -184,10 +190,10 @@ def tools_vocab_size() -> int:
     return len(TOOLS_TOKENS) + len(json_merges()[0])
 
 
-def build_tokenizer(agent: bool = False, tools: bool = False) -> Tokenizer:
+def build_tokenizer(agent: bool = False, tools: bool = False, text: bool = False) -> Tokenizer:
     """The character-level tokenizer as a `tokenizers.Tokenizer` (byte-level BPE, zero merges; the
     tool model's has merges for JSON's pieces)."""
-    tokens = TOOLS_TOKENS if tools else AGENT_TOKENS if agent else TOKENS
+    tokens = TOOLS_TOKENS if tools else AGENT_TOKENS if agent else TEXT_TOKENS if text else TOKENS
     added = ADDED_TOKENS + HERMES_TOKENS if tools else ADDED_TOKENS if agent else ()
     vocab = {tok if tok in SPECIAL_TOKENS or tok in added else _byte_level(tok): i
              for i, tok in enumerate(tokens)}
@@ -208,8 +214,8 @@ def build_tokenizer(agent: bool = False, tools: bool = False) -> Tokenizer:
     return tok
 
 
-def _write_tokenizer(out: Path, agent: bool = False, tools: bool = False) -> None:
-    tok = build_tokenizer(agent, tools)
+def _write_tokenizer(out: Path, agent: bool = False, tools: bool = False, text: bool = False) -> None:
+    tok = build_tokenizer(agent, tools, text)
     tok.save(str(out / "tokenizer.json"))
     # vocab.json + merges.txt let loaders that rebuild from files (Qwen2Tokenizer's slow path) agree too.
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -265,6 +271,7 @@ def build_tiny_model(
     arch: str = "qwen2",
     agent: bool = False,
     tools: bool = False,
+    text: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a randomly initialised HF model folder for ``preset`` to ``out_dir`` and return its path.
@@ -272,7 +279,8 @@ def build_tiny_model(
     Same (preset, arch, agent, overrides, seed) gives bit-identical weights. ``agent``: the chat and
     tool tokens, letters and a chat template too (the plain model's weights, with rows for them);
     ``tools``: an agent model with the Hermes tool-call tags, JSON's characters, a template that
-    renders tools and tool calls, and 256 positions.
+    renders tools and tool calls, and 256 positions; ``text`` (not with those): the plain model with
+    rows for the rest of printable ASCII and the newline (TEXT_TOKENS), and 128 positions.
     Pass ``dtype="bfloat16"`` to store the weights in another dtype (default float32); other
     overrides are config fields.
     """
@@ -283,6 +291,10 @@ def build_tiny_model(
     agent = agent or tools
     if tools:
         overrides.setdefault("max_position_embeddings", 256)
+    if text and agent:
+        raise ValueError("text is a vocabulary of its own: not with agent or tools")
+    if text:
+        overrides.setdefault("max_position_embeddings", 128)
     config = model_config(preset, arch=arch, **overrides)  # the plain vocabulary unless overridden
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -293,13 +305,15 @@ def build_tiny_model(
         if agent:  # rows for the added tokens from their own generator: the plain model's weights stay
             n = tools_vocab_size() if tools else len(AGENT_TOKENS)
             _add_token_rows(model, n - len(TOKENS), seed, config.initializer_range)
+        if text:
+            _add_token_rows(model, len(TEXT_TOKENS) - len(TOKENS), seed, config.initializer_range)
     model = model.to(dtype)
     # An agent model's chat turns end with <|end|>, the token its template writes after an answer.
     eos = [EOS_ID, TOKEN_TO_ID["<|end|>"]] if agent else EOS_ID
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=eos, pad_token_id=PAD_ID,
                                                max_new_tokens=16)
     model.save_pretrained(out)
-    _write_tokenizer(out, agent, tools)
+    _write_tokenizer(out, agent, tools, text)
     return out
 
 

@@ -161,7 +161,7 @@ def build_model(model: ModelConfig, *, section: str = "", log: Any = print) -> s
 
         log(f"building tiny model at {path}")
         build_tiny_model(path, preset=model.preset, seed=model.init_seed, agent=model.init == "tiny_agent",
-                         tools=model.init == "tiny_tools")
+                         tools=model.init == "tiny_tools", text=model.init == "tiny_text")
     return str(path)
 
 

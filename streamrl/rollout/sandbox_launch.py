@@ -1,0 +1,264 @@
+"""The processes of one sandboxed code run (`tools.python`, started by rollout/sandbox.py):
+
+    python -I -S sandbox_launch.py SETTINGS_JSON CODE
+
+mode "namespaces" (where the kernel lets this process make them):
+    launcher   new mount, PID, IPC and (network: none) network namespaces (a user namespace first
+               where it is not root); every mount read-only, a private size-capped tmpfs on /tmp;
+               waits for init and exits with its status
+    init       PID 1 of the new PID namespace: mounts its /proc, waits for the code; when it exits
+               the kernel kills every process left in the namespace
+    code       an unprivileged uid (root's runs drop to nobody) in a user namespace of its own, so
+               RLIMIT_NPROC counts only its own processes; the rlimits; a seccomp filter;
+               `python -I -S -c CODE`
+mode "rlimits": the code alone, with the rlimits, the unprivileged uid, the seccomp filter and an
+audit hook (a guard against honest mistakes, not a boundary: see docs/environments.md).
+
+A child killed by signal N is reported as exit status 128 + N, as shells do; 125 means the sandbox
+could not be set up (the reason is the last line of the output). Standard library only, imported
+by nothing: it starts in a few milliseconds and depends on nothing the sandbox may not read.
+"""
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import signal
+import struct
+import sys
+
+SETUP_FAILED = 125
+NOBODY = 65534
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x20000, 0x8000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
+PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, SECCOMP_MODE_FILTER = 4, 22, 38, 2
+# System calls that make memory no rlimit bounds: memfd_create (a file in no filesystem, as many as
+# it may open), SysV shared memory, semaphores and message queues (they outlive the process that
+# made them), bpf maps. Refused by a seccomp filter, per audit architecture (a 64-bit process may
+# also call the 32-bit table; x32 numbers carry bit 30).
+_REFUSED_SYSCALLS = {
+    "x86_64": {0xC000003E: (319, 29, 64, 68, 321, *(0x40000000 | n for n in (319, 29, 64, 68, 321))),
+               0x40000003: (356, 117, 393, 395, 399, 357)},  # i386: ipc(2) multiplexes the SysV calls
+    "aarch64": {0xC00000B7: (279, 194, 190, 186, 280), 0x40000028: (385, 307, 299, 303, 386)},
+}
+# A read-only remount must repeat the flags a mount already has: the kernel refuses to clear a
+# locked one (every flag of a mount inherited into a user namespace is locked).
+_KEPT_FLAGS = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
+               os.ST_NOATIME: 1024, os.ST_NODIRATIME: 2048, os.ST_RELATIME: 1 << 21}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+# Mode "rlimits": what the code may not do, checked by Python's audit hooks (PEP 578); it has the
+# host's network (tools.python.network: none needs a network namespace). ctypes is refused because
+# it reaches every system call without an audit event.
+_GUARD = """
+import os, sys
+_home = os.path.realpath(os.getcwd()) + os.sep
+_me = os.getpid()
+_changes = {"os.remove": (0,), "os.rename": (0, 1), "os.mkdir": (0,), "os.rmdir": (0,), "os.symlink": (1,),
+            "os.link": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
+            "os.setxattr": (0,), "os.removexattr": (0,), "os.chflags": (0,)}
+_refused = {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
+            "pty.spawn", "ctypes.dlopen", "ctypes.dlsym"}
+def _outside(path):
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return False  # a file descriptor: its open was checked
+    real = os.path.realpath(os.fsdecode(path))
+    return not (real + os.sep).startswith(_home) and real != "/dev/null"
+def _guard(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        parts = os.path.realpath(os.fsdecode(args[0])).split("/")
+        if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and parts[2] != str(_me):
+            raise PermissionError("sandbox: no other process's /proc")  # its environment, its memory
+    if event == "open":
+        writes = args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC) or (
+            isinstance(args[1], str) and any(m in args[1] for m in "wax+"))
+        if writes and _outside(args[0]):
+            raise PermissionError(f"sandbox: no writing outside {_home}")
+    elif event in _changes and any(_outside(args[i]) for i in _changes[event]):
+        raise PermissionError(f"sandbox: no changes outside {_home}")
+    elif event in ("os.kill", "os.killpg") and args[0] != _me:
+        raise PermissionError("sandbox: no signals to other processes")
+    elif event in _refused:
+        raise PermissionError(f"sandbox: {event} is not allowed")
+    elif event == "import" and args[0] in ("_posixsubprocess", "_ctypes", "_xxsubinterpreters"):
+        raise PermissionError(f"sandbox: no {args[0]}")  # fork and exec without an audit event
+sys.addaudithook(_guard)
+del _guard
+_code = sys.argv.pop(1)
+exec(compile(_code, "<code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    src_b, type_b, data_b = (None if x is None else x.encode() for x in (src, fstype, data))
+    _check(_libc.mount(src_b, target.encode(), type_b, ctypes.c_ulong(flags), data_b), f"mount {target}")
+
+
+def _unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def _user_namespace() -> None:
+    """This process into a new user namespace, its uid and gid mapped to themselves."""
+    uid, gid = os.getuid(), os.getgid()
+    _unshare(CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def _mount_points() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    # mountinfo escapes space, tab, newline and backslash as octal
+    return [p.encode().decode("unicode_escape").encode("latin-1").decode() for p in points]
+
+
+def _private_filesystem(s: dict, owner: int) -> None:
+    """Every mount read-only (in this mount namespace only), and a fresh tmpfs on /tmp, the code's
+    working directory, of at most max_file_mb; where the interpreter sits in a folder the code's uid
+    cannot enter (root's home), that folder is replaced by an empty one holding the interpreter alone."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    for point in _mount_points():
+        try:
+            flags = os.statvfs(point).f_flag
+        except OSError:
+            continue  # under a mount that hides it: unreachable
+        kept = sum(ms for st, ms in _KEPT_FLAGS.items() if flags & st)
+        _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept)
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={s['max_file_mb']}m,nr_inodes=4096,mode=700,uid={owner},gid={owner}")
+    prefix = s["prefix"]
+    if owner == os.getuid():
+        return  # the code keeps our uid: it may run what we run
+    closed = next((p for p in _ancestors(prefix) if not os.stat(p).st_mode & 0o001), None)
+    if closed is None:
+        return
+    stage = "/tmp/.interpreter"
+    os.mkdir(stage)
+    _mount(prefix, stage, None, MS_BIND | MS_REC)
+    _mount("tmpfs", closed, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
+    os.makedirs(prefix, exist_ok=True)
+    _mount(stage, prefix, None, MS_MOVE)
+    os.rmdir(stage)
+    _mount(None, closed, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    _mount(None, prefix, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+
+
+def _ancestors(path: str) -> list[str]:
+    """`/a/b/c` -> [`/a`, `/a/b`, `/a/b/c`]"""
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _refuse_syscalls() -> None:
+    """Install the seccomp filter of _REFUSED_SYSCALLS: each answers EPERM."""
+    machine = os.uname().machine
+    if machine not in _REFUSED_SYSCALLS:
+        raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}")
+    load, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    prog: list[tuple[int, int, int, int]] = []  # (code, jump if true, jump if false, k)
+    refusals = []
+    for arch, numbers in _REFUSED_SYSCALLS[machine].items():
+        prog += [(load, 0, 0, 4), (jeq, 0, len(numbers) + 1, arch), (load, 0, 0, 0)]  # seccomp_data.arch, .nr
+        for nr in numbers:
+            refusals.append(len(prog))
+            prog.append((jeq, 0, 0, nr))
+    prog.append((ret, 0, 0, 0x7FFF0000))  # SECCOMP_RET_ALLOW
+    refuse = len(prog)
+    prog.append((ret, 0, 0, 0x00050000 | errno.EPERM))  # SECCOMP_RET_ERRNO
+    code = b"".join(struct.pack("HBBI", c, refuse - i - 1 if i in refusals else jt, jf, k)
+                    for i, (c, jt, jf, k) in enumerate(prog))
+    buf = ctypes.create_string_buffer(code, len(code))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = Fprog(len(prog), ctypes.addressof(buf))
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl no_new_privs")
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
+
+
+def _limits(s: dict) -> None:
+    mib = 1 << 20
+    for res, soft, hard in (
+        (resource.RLIMIT_CPU, s["cpu_s"], s["cpu_s"] + 1),  # SIGXCPU at soft, SIGKILL at hard
+        (resource.RLIMIT_AS, s["memory_mb"] * mib, s["memory_mb"] * mib),
+        (resource.RLIMIT_FSIZE, s["max_file_mb"] * mib, s["max_file_mb"] * mib),
+        (resource.RLIMIT_NPROC, s["max_processes"], s["max_processes"]),
+        (resource.RLIMIT_CORE, 0, 0),
+        (resource.RLIMIT_NOFILE, 64, 64),  # also bounds the kernel memory its descriptors hold
+    ):
+        resource.setrlimit(res, (soft, hard))
+
+
+def _exec_code(s: dict, code: str, isolated: bool) -> None:
+    """The code's process: unprivileged, limited, then the interpreter (never returns)."""
+    if os.getuid() == 0:
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)  # every capability goes with uid 0
+        # A uid change makes the process undumpable, which gives /proc/self to root: the user
+        # namespace's maps could not be written.
+        _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl")
+    if isolated:
+        _user_namespace()  # RLIMIT_NPROC counts per user namespace: these processes alone
+        # No namespace of its own below this one: a user namespace would let the code mount a
+        # tmpfs, memory no limit here bounds.
+        with open("/proc/sys/user/max_user_namespaces", "w") as f:
+            f.write("0")
+        os.chdir("/tmp")
+    else:
+        os.chdir(s["workdir"])
+    _limits(s)
+    _refuse_syscalls()
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.getcwd(), "LANG": "C.UTF-8"}
+    py = s["python"]
+    if isolated:
+        os.execve(py, [py, "-I", "-S", "-c", code], env)
+    os.execve(py, [py, "-I", "-S", "-c", _GUARD, code], env)
+
+
+def _wait(pid: int) -> int:
+    """The exit status of child `pid`, a signal N as 128 + N."""
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def main() -> None:
+    s, code = json.loads(sys.argv[1]), sys.argv[2]
+    isolated = s["mode"] == "namespaces"
+    try:
+        if isolated:
+            owner = NOBODY if os.getuid() == 0 else os.getuid()
+            if os.getuid() != 0:
+                _user_namespace()  # the capabilities to make the namespaces below
+            _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if s["network"] else CLONE_NEWNET))
+            _private_filesystem(s, owner)
+            init = os.fork()
+            if init:
+                os._exit(_wait(init))
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            child = os.fork()
+            if child:
+                os._exit(_wait(child))
+        _exec_code(s, code, isolated)
+    except OSError as e:
+        print(f"sandbox setup failed: {e}", file=sys.stderr, flush=True)
+        os._exit(SETUP_FAILED)
+
+
+if __name__ == "__main__":
+    main()

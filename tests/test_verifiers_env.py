@@ -1,0 +1,148 @@
+"""verifiers environments as streamrl rollouts (`rollout.environment: verifiers`), against the installed
+`verifiers` package in its own environment (.venv-verifiers; scripts/setup_verifiers.sh). The environment
+(tests/verifiers_envs_for_tests.py) is a taskset with an MCP tool and a reward, run by verifiers' own `null`
+harness (its chat loop) in a local subprocess runtime: its rewards are the rewards, the model's turns are
+the engine's tokens, what the environment wrote is masked, a weight update mid-turn loses no token.
+
+A scripted pool (a mock model that "decides" to call the tool) where the model must write a tool call;
+the real TorchEngine through `streamrl rollout` and `streamrl run`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import STREAMRL
+from test_workflows import ScriptedPool, manager_for
+from transformers import AutoTokenizer
+
+from streamrl.config import ConfigError, VerifiersConfig
+from streamrl.rollout.verifiers_env import VerifiersEnv, VerifiersWorkflow, find_verifiers_python
+from streamrl.tasks import build_tiny_model
+from streamrl.types import decode_groups
+
+REPO = Path(__file__).parents[1]
+PYTHON = find_verifiers_python()
+pytestmark = pytest.mark.skipif(PYTHON is None, reason="verifiers is not installed: its own environment "
+                                "(.venv-verifiers) is missing; run `bash scripts/setup_verifiers.sh`")
+ENV_ARGS = {"taskset": {"num_tasks": 2}, "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}}
+CALL = '<tool_call>{"name": "calc_multiply", "arguments": {"a": 123, "b": 45}}</tool_call><|end|>'
+ANSWER = "5535<|end|>"
+
+
+@pytest.fixture(scope="module")
+def tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tools", tools=True, initializer_range=0.5)
+
+
+@pytest.fixture(scope="module")
+def tok(tools_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tools_model_dir)
+
+
+@pytest.fixture
+def tool_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    log = tmp_path / "tool_calls.txt"
+    monkeypatch.setenv("VF_TOOL_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests"))
+    return log
+
+
+def open_env(tmp_path: Path, **over: Any) -> VerifiersEnv:
+    cfg = VerifiersConfig(env="verifiers_envs_for_tests", args=ENV_ARGS) if not over else VerifiersConfig(**over)
+    return VerifiersEnv.open(cfg, tmp_path / "verifiers.log")
+
+
+async def test_a_tool_using_environment_scores_its_episode_and_the_model_tokens_are_the_engines(
+        tok: Any, tmp_path: Path, tool_log: Path) -> None:
+    env = open_env(tmp_path)
+    try:
+        task = env.task(0)
+        assert [r["vf_idx"] for r in task.train] == [0, 1]
+        pool = ScriptedPool(tok, [CALL, ANSWER])
+        manager, buffer, _ = manager_for(pool, tok, workflow="single_turn", tools=[], group_size=1, max_new_tokens=120)
+        manager.task, manager.prompts = task, task.train[:1]
+        manager.workflow, manager.multi_turn = VerifiersWorkflow(env), True
+        producer = asyncio.create_task(manager.run())
+        try:
+            [group] = await asyncio.wait_for(buffer.get_batch(1), 120)
+        except TimeoutError:
+            raise AssertionError(f"no group: {manager.counters} {(tmp_path / 'verifiers.log').read_text()[-3000:]}") from None
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+            await manager.aclose()
+    finally:
+        env.close()
+    [s] = group.samples
+    assert s.reward == 1.0 and s.meta["env_rewards"] == {"correct": 1.0}  # the environment's reward
+    assert tool_log.read_text() == "123*45\n"  # the environment's own tool server ran the call, once
+    model = [t for t in s.turns if t.kind == "model"]
+    # Each model turn is exactly the engine's tokens, and trainable; everything else is masked.
+    assert [s.response_ids[t.start:t.end] for t in model] == [tok(CALL, add_special_tokens=False)["input_ids"],
+                                                              tok(ANSWER, add_special_tokens=False)["input_ids"]]
+    for t in s.turns:
+        assert set(s.loss_mask[t.start:t.end]) <= ({1} if t.kind == "model" else {0})
+    masked = tok.decode([i for i, m in zip(s.response_ids, s.loss_mask, strict=True) if m == 0])
+    assert "5535" in masked and "tool_response" in masked  # the tool's result, as the environment wrote it
+    assert manager.counters.prefix_mismatch == 0 and manager.counters.tool_calls_parsed == 1
+    assert "123*45=" in tok.decode(s.prompt_ids)  # the environment's prompt, as its harness sent it
+
+
+def test_an_environment_that_does_not_load_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        open_env(tmp_path, env="no_such_verifiers_env", args={})
+    msg = str(e.value)
+    assert msg.startswith("config error: rollout.verifiers.env: no_such_verifiers_env: the environment does not load")
+    assert "\n" not in msg and "not found" in msg
+    with pytest.raises(ConfigError, match="rollout.verifiers.python"):
+        open_env(tmp_path, env="x", python=str(tmp_path / "nope"))
+
+
+def _config(tmp_path: Path, steps: int = 1) -> Path:
+    cfg = tmp_path / "vf.yaml"
+    args = ENV_ARGS | {"taskset": {"num_tasks": 4}}
+    cfg.write_text(f"""
+run_dir: {tmp_path / "run"}
+model: {{path: {tmp_path / "model"}, init: tiny_tools}}
+warm_start: {{enabled: false}}
+data: {{eval_size: 0}}
+rollout:
+  environment: verifiers
+  verifiers: {{env: verifiers_envs_for_tests, args: {json.dumps(args)}}}
+  group_size: 2
+  max_new_tokens: 24
+schedule: {{steps: {steps}, batch_groups: 2, eval_every: 0}}
+""")
+    return cfg
+
+
+def test_streamrl_rollout_runs_the_environment_and_its_rewards_score_it(tmp_path: Path, tool_log: Path) -> None:
+    p = subprocess.run([*STREAMRL, "rollout", str(_config(tmp_path)), "--groups", "2", "--no-progress"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    groups = decode_groups((tmp_path / "run" / "rollouts.jsonl").read_bytes())
+    assert len(groups) == 2
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    for g in groups:
+        for s in g.samples:
+            assert s.reward == s.meta["env_reward"] == sum(s.meta["env_rewards"].values())
+            assert "*" in tok.decode(s.prompt_ids)  # the environment's task, as its harness rendered it
+            model = [t for t in s.turns if t.kind == "model"]
+            assert model and all(set(s.loss_mask[t.start:t.end]) == {1} for t in model if t.end > t.start)
+            assert all(set(s.loss_mask[t.start:t.end]) <= {0} for t in s.turns if t.kind != "model")
+            assert len(s.logprobs) == len(s.versions) == len(s.loss_mask) == len(s.response_ids)
+
+
+def test_streamrl_run_trains_on_the_environments_episodes(tmp_path: Path, tool_log: Path) -> None:
+    p = subprocess.run([*STREAMRL, "run", str(_config(tmp_path, steps=2)), "--no-progress"],
+                       capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["tokens_discarded"] == 0 for r in rows if "tokens_discarded" in r)
+    assert all("turns_mean" in r for r in rows)  # the environment's turns are counted as a workflow's
+    assert (tmp_path / "run" / "final").exists()
