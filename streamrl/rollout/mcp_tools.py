@@ -31,7 +31,7 @@ from mcp.types import CONNECTION_CLOSED, CallToolResult, PaginatedRequestParams,
 
 from ..config import ConfigError, ToolsConfig
 from ..config.schema import McpServerConfig
-from .tools import ToolError
+from .tool_error import ToolError
 
 log = logging.getLogger("streamrl.mcp")
 

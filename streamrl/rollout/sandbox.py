@@ -33,7 +33,7 @@ from typing import Any, Literal
 from ..config import ConfigError
 from ..config.schema import PythonToolConfig
 from .sandbox_launch import NOBODY, SETUP_FAILED
-from .tools import ToolError
+from .tool_error import ToolError
 
 LAUNCHER = Path(__file__).with_name("sandbox_launch.py")
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")

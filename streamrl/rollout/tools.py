@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError, ToolsConfig
 from ..plugins import load_plugin
+from .tool_error import ToolError
 
 if TYPE_CHECKING:
     from .mcp_tools import McpServers
@@ -69,15 +70,6 @@ class ToolResult:
     error: str | None  # None when the tool returned
     seconds: float
     cause: str | None = None  # why it failed, one word (timeout, exception, memory, ...): tool_errors/CAUSE
-
-
-class ToolError(Exception):
-    """A tool's failure that says why: `cause` (one word, counted as tool_errors/CAUSE), the message,
-    and what the tool had printed before it failed, which the observation shows after the message."""
-
-    def __init__(self, cause: str, message: str, output: str = "") -> None:
-        super().__init__(message)
-        self.cause, self.message, self.output = cause, message, output
 
 
 class ToolBox:
