@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -34,3 +35,25 @@ async def slow_calculator(args: str) -> str:
     WAITED.append(latency)
     await asyncio.sleep(latency)
     return calculator(args)
+
+
+_SANDBOX: list[Any] = []
+
+
+async def code_calculator(args: str) -> str:
+    """The calculator as the code tool (`tools.python`'s sandbox, real): the model's expression is printed
+    by a program that first waits MAX_S x u^4 seconds (the running time of real code: a test suite, a
+    request it makes), in a fresh sandboxed process tree per call. Same latency draw as `slow_calculator`."""
+    from streamrl.config.schema import PythonToolConfig
+    from streamrl.rollout.sandbox import PythonTool
+
+    if not _SANDBOX:
+        _SANDBOX.append(PythonTool(PythonToolConfig(enabled=True, timeout_s=MAX_S + 10)))
+    s = _episode.get().sample
+    EXECUTED[(s.group_id, s.index, len(s.turns))] += 1
+    wait = MAX_S * random.Random(f"{args}#{s.index}").random() ** 4
+    t0 = time.perf_counter()
+    try:
+        return (await _SANDBOX[0].run(f"import time\ntime.sleep({wait!r})\nprint({args.strip()})")).strip()
+    finally:
+        WAITED.append(time.perf_counter() - t0)

@@ -46,22 +46,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"any of {', '.join(MODES)}")
     ap.add_argument("--latencies", type=lambda v: [float(x) for x in v.split(",")], default=[0.3, 1.0],
                     help="the tool's longest latency in seconds, one comparison each (a call takes max * u^4)")
+    ap.add_argument("--tool", default="slow", choices=["slow", "code"],
+                    help="slow: the calculator behind an asyncio wait; code: the calculator as a program run by "
+                         "the code tool's sandbox (tools.python), which waits as long; results to code_tool_async.json")
     ap.add_argument("--pool", default="http", choices=["http", "local"],
                     help="engines in their own process (`streamrl serve`, as in production) or in-process")
     ap.add_argument("--rounds", type=int, default=2,
                     help="run the mode list this many times, interleaved; report medians (machines here drift)")
     ap.add_argument("--work-dir", default=str(REPO / "runs" / "bench-agentic"))
-    ap.add_argument("--out", default=str(RESULTS / "agentic_async.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/agentic_async.json (code_tool_async.json)")
     args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("code_tool_async.json" if args.tool == "code" else "agentic_async.json"))
     if unknown := [m for m in args.modes.split(",") if m not in MODES]:
         ap.error(f"--modes: unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
     base = yaml.safe_load((REPO / "configs" / "agentic.yaml").read_text())
     cache = REPO / ".cache" / "streamrl"
-    base["run_dir"] = args.work_dir
+    base["run_dir"] = f"{args.work_dir}-{args.tool}"
     base["model"]["path"] = str(cache / "tiny-agent-model")
     base["warm_start"]["cache_dir"] = str(cache)
     base["engines"]["pool"] = args.pool
-    base["tools"]["functions"] = ["calculator=_slow_tool:slow_calculator"]
+    base["tools"]["functions"] = [f"calculator=_slow_tool:{args.tool}_calculator"]
     base["rollout"]["workflow"] = "_slow_tool:workflow"
     base["schedule"]["steps"] = args.steps
     by_latency: dict[float, list[list[dict]]] = {lat: [] for lat in args.latencies}
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             "staleness_max", "tool_calls", "tool_reruns", "final_reward", "eval_sampled_after"]
     print_table(f"agentic async vs sync, tool latency up to tool_max_ms (x u^4), {rows[0]['samples']} samples per mode",
                 cols, ([r[c] for c in cols] for r in rows))
-    meta = {"steps": args.steps, "rounds": args.rounds, "pool": args.pool, "tool_latency": "tool_max_ms * u^4, u uniform",
+    meta = {"steps": args.steps, "rounds": args.rounds, "pool": args.pool, "tool": args.tool,
+            "tool_latency": "tool_max_ms * u^4, u uniform" + (" inside the sandboxed program" if args.tool == "code" else ""),
             "torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M")}
     out = {"meta": meta, "results": rows}
     if args.rounds > 1:

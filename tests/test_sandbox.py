@@ -23,7 +23,7 @@ from streamrl.config.schema import PythonToolConfig, RolloutConfig
 from streamrl.rollout import Runner, ToolBox
 from streamrl.rollout.manager import RolloutCounters
 from streamrl.rollout.runner import Context, Episode
-from streamrl.rollout.sandbox import LAUNCHER, PYTHON_TOOL, Isolation, PythonTool, probe
+from streamrl.rollout.sandbox import LAUNCHER, PYTHON_TOOL, Isolation, PythonTool, encode_settings, probe
 from streamrl.types import Sample
 
 ISO = probe()
@@ -136,11 +136,14 @@ async def test_a_fork_bomb_stops_at_max_processes(box: ToolBox) -> None:
             await asyncio.sleep(0.02)
 
     watcher = asyncio.create_task(watch())
-    try:
-        out = await run(box, "import os\nwhile True:\n    os.fork()", "processes", 4)
+    try:  # watched during the call alone: the next call's processes may start before the bomb's are reaped
+        t0 = time.perf_counter()
+        r = await box.call("python", "import os\nwhile True:\n    os.fork()")
     finally:
         watcher.cancel()
-    assert "BlockingIOError" in out
+    assert r.cause == "processes" and time.perf_counter() - t0 < 4, r.observation
+    assert "BlockingIOError" in r.observation
+    await still_works(box)
     # the code's processes, plus the launcher and the namespace's init
     assert seen and max(seen) <= LIMITS.max_processes + 2
     # exactly max_processes, itself included; the children it leaves die with it
@@ -321,7 +324,7 @@ for attempt in (lambda: open("/var/tmp/escaped", "w"), lambda: socket.create_con
         print(e.strerror)
 """
     p = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", python[0], "-I", "-S",
-                        str(LAUNCHER), json.dumps(tool.settings(None)), code],
+                        str(LAUNCHER), encode_settings(tool.settings(None)), code],
                        capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == ["65534 /tmp [1, 2]", "Read-only file system", "Network is unreachable",

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import marshal
 import os
 import re
 import shutil
@@ -76,7 +77,7 @@ def interpreter() -> tuple[str, str]:
 
 def _launch_sync(settings: dict[str, Any], code: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of a short run, for the probe."""
-    with subprocess.Popen([settings["python"], "-I", "-S", str(LAUNCHER), json.dumps(settings), code],
+    with subprocess.Popen([settings["python"], "-I", "-S", str(LAUNCHER), encode_settings(settings), code],
                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=_LAUNCH_ENV, start_new_session=True, cwd="/") as p:
         try:
@@ -180,7 +181,7 @@ class PythonTool:
         """(exit status, output, `timeout` / `output_limit` / None). The whole session is killed on the
         way out, whatever happened (a cancelled call too)."""
         proc = await asyncio.create_subprocess_exec(
-            self.python, "-I", "-S", str(LAUNCHER), json.dumps(self.settings(workdir)), code,
+            self.python, "-I", "-S", str(LAUNCHER), encode_settings(self.settings(workdir)), code,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_LAUNCH_ENV,
             start_new_session=True, cwd="/")
         assert proc.stdout is not None
@@ -235,6 +236,11 @@ class PythonTool:
         if "[Errno 101]" in last:  # ENETUNREACH: its network namespace has no route anywhere
             return "network", "no network"
         return "exit_code", f"exit code {rc}"
+
+
+def encode_settings(settings: dict[str, Any]) -> str:
+    """The launcher's settings as it reads them without importing json: marshal (the same interpreter)."""
+    return marshal.dumps(settings).hex()
 
 
 def kill_session(sid: int) -> None:

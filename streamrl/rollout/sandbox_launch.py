@@ -1,6 +1,6 @@
 """The processes of one sandboxed code run (`tools.python`, started by rollout/sandbox.py):
 
-    python -I -S sandbox_launch.py SETTINGS_JSON CODE
+    python -I -S sandbox_launch.py SETTINGS CODE        SETTINGS: marshal, in hex (rollout/sandbox.py)
 
 mode "namespaces" (where the kernel lets this process make them):
     launcher   new mount, PID, IPC and (network: none) network namespaces (a user namespace first
@@ -9,22 +9,25 @@ mode "namespaces" (where the kernel lets this process make them):
     init       PID 1 of the new PID namespace: mounts its /proc, waits for the code; when it exits
                the kernel kills every process left in the namespace
     code       an unprivileged uid (root's runs drop to nobody) in a user namespace of its own, so
-               RLIMIT_NPROC counts only its own processes; the rlimits; a seccomp filter;
-               `python -I -S -c CODE`
+               RLIMIT_NPROC counts only its own processes; the rlimits; a seccomp filter; then
+               CODE, run by this interpreter as `python -I -S -c CODE` would run it
 mode "rlimits": the code alone, with the rlimits, the unprivileged uid, the seccomp filter and an
 audit hook (a guard against honest mistakes, not a boundary: see docs/environments.md).
 
 A child killed by signal N is reported as exit status 128 + N, as shells do; 125 means the sandbox
 could not be set up (the reason is the last line of the output). Standard library only, imported
-by nothing: it starts in a few milliseconds and depends on nothing the sandbox may not read.
+by nothing: it starts in a few milliseconds and depends on nothing the sandbox may not read. A call's
+cost is mostly interpreter start-up, so nothing is imported that a call does not need (`json` and
+`signal` would bring `re` and `enum`: a third of it), and the code runs in this interpreter rather than
+a second one.
 """
 
+import _signal
 import ctypes
 import errno
-import json
+import marshal
 import os
 import resource
-import signal
 import struct
 import sys
 
@@ -223,10 +226,25 @@ def _exec_code(s: dict, code: str, isolated: bool) -> None:
     _limits(s)
     _refuse_syscalls()
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.getcwd(), "LANG": "C.UTF-8"}
-    py = s["python"]
     if isolated:
-        os.execve(py, [py, "-I", "-S", "-c", code], env)
+        os.environ.clear()
+        os.environ.update(env)
+        return
+    py = s["python"]
     os.execve(py, [py, "-I", "-S", "-c", _GUARD, code], env)
+
+
+def _run_code(code: str) -> None:
+    """The code, as `python -c` runs it: its name `__main__`, argv `['-c']`, a traceback without our frames."""
+    sys.argv[:] = ["-c"]
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - reported as the interpreter reports it, exit status 1
+        tb = e.__traceback__.tb_next if e.__traceback__ else None
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        raise SystemExit(1) from None
 
 
 def _wait(pid: int) -> int:
@@ -237,7 +255,7 @@ def _wait(pid: int) -> int:
 
 
 def main() -> None:
-    s, code = json.loads(sys.argv[1]), sys.argv[2]
+    s, code = marshal.loads(bytes.fromhex(sys.argv[1])), sys.argv[2]
     isolated = s["mode"] == "namespaces"
     try:
         if isolated:
@@ -249,7 +267,7 @@ def main() -> None:
             init = os.fork()
             if init:
                 os._exit(_wait(init))
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             child = os.fork()
             if child:
@@ -258,6 +276,7 @@ def main() -> None:
     except OSError as e:
         print(f"sandbox setup failed: {e}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
+    _run_code(code)
 
 
 if __name__ == "__main__":
