@@ -11,7 +11,13 @@ budget, speedup over sync, final reward and held-out accuracy (equal reward is t
 discarded, tool calls, and tool calls that ran more than once for the same sample and turn (must be
 0: a turn interrupted by a weight update resumes after its tool result, never before it).
 
+With `--tool code` the calculator is the code tool itself (`tools.python`'s sandbox, real): each call
+is a sandboxed program that waits as long, then prints the model's expression evaluated by Python; the
+sandbox's own cost (a process tree and its namespaces per call) is in the loop. Its results go to
+bench/results/code_tool_async.json.
+
     python bench/agentic_async.py [--steps 150] [--modes sync,eta4,eta8-push4] [--latencies 0.3,1.0] [--rounds 2]
+    python bench/agentic_async.py --tool code
 """
 
 from __future__ import annotations

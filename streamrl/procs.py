@@ -1,5 +1,5 @@
-"""Process helpers: stopping the children streamrl launches (engine servers, sglang-router, vLLM), free
-ports, the driver's own garbage-collection policy (`quiet_gc`), and running a command's coroutine so
+"""Process helpers: stopping the children streamrl launches (engine servers, sglang-router, vLLM), the
+Python of a side environment (`find_side_python`), free ports, the driver's own garbage-collection policy (`quiet_gc`), and running a command's coroutine so
 that a signal stops it at any point (`run_stoppable`)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 from collections.abc import Callable, Coroutine
@@ -71,6 +72,18 @@ def _live_members(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
+
+
+def find_side_python(explicit: str | None, env_var: str, venv: str) -> str | None:
+    """The Python of a side environment (vLLM's, verifiers'; packages that cannot share .venv): `explicit`
+    (only it, when given), else $`env_var`, else `venv/bin/python` in the working folder or beside this
+    checkout. A path must be an executable file, a bare name on PATH. None when none exists."""
+    here = Path(__file__).resolve().parents[1]
+    cands = [explicit] if explicit else [os.environ.get(env_var), f"{venv}/bin/python", str(here / venv / "bin" / "python")]
+    for cand in cands:
+        if cand and ((Path(cand).is_file() and os.access(cand, os.X_OK)) or (os.sep not in cand and shutil.which(cand))):
+            return cand
+    return None
 
 
 def free_port() -> int:

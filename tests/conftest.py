@@ -39,3 +39,9 @@ def agent_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with chat and tool-call tokens (`agent=True`), wide init as `engine_model_dir`."""
     return build_tiny_model(tmp_path_factory.mktemp("models") / "agent", preset="tiny", seed=0, agent=True,
                             initializer_range=0.5)
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a chat template that renders tools and tool calls (Hermes form)."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tools", tools=True, initializer_range=0.5)

@@ -19,7 +19,7 @@ import msgspec
 import openai
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
-from test_workflows import ScriptedPool, _until, manager_for
+from test_workflows import ScriptedPool, _until, manager_for, producing, update_weights_mid_turn
 from transformers import AutoTokenizer
 
 from streamrl.engine import TorchEngine
@@ -27,7 +27,7 @@ from streamrl.plugins import load_plugin
 from streamrl.rollout import LocalPool
 from streamrl.rollout.capture import load_parser
 from streamrl.rollout.runner import Episode, encode_prompt
-from streamrl.tasks import Task, build_tiny_model
+from streamrl.tasks import Task
 from streamrl.tasks.agent_tools import INSTRUCTIONS, TOOL_SCHEMA, TOOLS
 from streamrl.types import Sample
 
@@ -36,11 +36,6 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*45"}}
 ANSWER = "5535<|end|>"
 OBSERVED = "<|user|><tool_response>5535</tool_response><|end|><|assistant|>"
 CHAT = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "123*45="}]
-
-
-@pytest.fixture(scope="module")
-def tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tools", tools=True, initializer_range=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -312,10 +307,7 @@ async def test_an_sdk_call_interrupted_by_a_weight_update_loses_no_token(tools_m
         call = asyncio.create_task(client.chat.completions.create(
             model="policy", messages=CHAT, max_tokens=40, extra_body={"ignore_eos": True}))
         await _until(lambda: ep.sample.num_tokens >= 0 and engine.stats()["running"] == 1)
-        await pool.pause("abort")
-        await _until(lambda: engine.stats()["waiting"] == 1)
-        await pool.weight_sync.load({}, 1)
-        await pool.resume()
+        await update_weights_mid_turn(pool, engine, running=1)
         r = await asyncio.wait_for(call, 60)
     finally:
         await client.close()
@@ -344,29 +336,20 @@ async def test_a_run_checkpointed_mid_episode_resumes_the_sdk_agent_without_its_
         return pool, manager, buffer, ctl
 
     pool, manager, _, _ = make([CALL, ANSWER], hold=1)
-    producer = asyncio.create_task(manager.run())
-    try:
+    async with producing(manager):
         await _until(lambda: len(pool.requests) == 2)  # the tool ran, the answer is being generated
         async with manager.tool_gate.shut():
             blob, counters = manager.snapshot()
-    finally:
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
-        await manager.aclose()
     assert manager.counters.tool_calls == 1
 
     pool, manager, buffer, ctl = make([ANSWER], hold=None)
     [restored] = manager.restore(blob, prompts_drawn=counters["prompts_drawn"], next_seed=counters["next_seed"])
     ctl.restore(version=0, trained_groups=0, queued=[], generating=[restored])
-    producer = asyncio.create_task(manager.run())
-    try:
-        [group] = await asyncio.wait_for(buffer.get_batch(1), 60)
-    except TimeoutError:
-        raise AssertionError(f"the resumed group did not finish: {manager.counters}") from None
-    finally:
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
-        await manager.aclose()
+    async with producing(manager):
+        try:
+            [group] = await asyncio.wait_for(buffer.get_batch(1), 60)
+        except TimeoutError:
+            raise AssertionError(f"the resumed group did not finish: {manager.counters}") from None
     assert manager.counters.tool_calls == 0 and len(pool.requests) == 1  # replayed, not run; one answer generated
     [s] = group.samples
     assert [t.kind for t in s.turns] == ["model", "tool", "tool", "model"] and s.reward == 1.0

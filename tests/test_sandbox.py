@@ -8,11 +8,13 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
@@ -49,6 +51,13 @@ def _procs() -> dict[int, tuple[int, int]]:
     return out
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200] or "(zombie)"
+    except OSError:
+        return "(gone)"
+
+
 def descendants(pid: int) -> set[int]:
     procs, found, todo = _procs(), set(), [pid]
     while todo:
@@ -79,7 +88,8 @@ def host_unchanged() -> Iterator[None]:
     deadline = time.monotonic() + 5  # asyncio's child watcher reaps in a thread of its own
     while descendants(me) - children_before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert descendants(me) - children_before == set()
+    left = descendants(me) - children_before
+    assert left == set(), {p: _cmdline(p) for p in left}
     assert {p for p, (_, uid) in _procs().items() if uid == 65534} - nobody_before == set()
     assert Path("/proc/self/mountinfo").read_text() == mounts
     assert set(Path(tempfile.gettempdir()).glob("streamrl-python-*")) == tmp_before
@@ -87,8 +97,10 @@ def host_unchanged() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def box() -> ToolBox:
-    return ToolBox(ToolsConfig(functions=["calculator"], timeout_s=0.5, python=LIMITS))
+async def box() -> AsyncIterator[ToolBox]:
+    tools = ToolBox(ToolsConfig(functions=["calculator"], timeout_s=0.5, python=LIMITS))
+    yield tools
+    await tools.aclose()  # its fork server: host_unchanged finds no process left
 
 
 async def still_works(box: ToolBox) -> None:
@@ -144,8 +156,8 @@ async def test_a_fork_bomb_stops_at_max_processes(box: ToolBox) -> None:
     assert r.cause == "processes" and time.perf_counter() - t0 < 4, r.observation
     assert "BlockingIOError" in r.observation
     await still_works(box)
-    # the code's processes, plus the launcher and the namespace's init
-    assert seen and max(seen) <= LIMITS.max_processes + 2
+    # the code's processes, plus the tool's fork server, the call's launcher and the namespace's init
+    assert seen and max(seen) <= LIMITS.max_processes + 3
     # exactly max_processes, itself included; the children it leaves die with it
     code = ("import os, time\nn = 0\nwhile True:\n    try:\n        if os.fork() == 0:\n            time.sleep(60)\n"
             "        n += 1\n    except BlockingIOError:\n        break\nprint(n)")
@@ -255,8 +267,54 @@ async def test_a_cancelled_call_leaves_no_process(box: ToolBox) -> None:
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert descendants(os.getpid()) <= before
+    assert box.python is not None and box.python.server.pid is not None
+    assert descendants(os.getpid()) - {box.python.server.pid} <= before  # only the fork server stays
     await still_works(box)
+
+
+async def test_a_killed_fork_server_is_an_error_observation_and_the_next_call_starts_another(box: ToolBox) -> None:
+    await still_works(box)
+    assert box.python is not None and (first := box.python.server.pid) is not None
+    call = asyncio.create_task(box.call("python", "import time\ntime.sleep(30)"))
+    await asyncio.sleep(0.3)
+    os.kill(first, signal.SIGKILL)
+    r = await asyncio.wait_for(call, 10)  # at its timeout, its session killed: an error, not a hang
+    assert r.error is not None
+    await still_works(box)
+    assert box.python.server.pid not in (None, first)
+
+
+def test_a_run_killed_mid_call_leaves_no_sandbox_behind(tmp_path: Path) -> None:
+    """SIGKILL to the process that owns the tool while a call runs: its fork server reads the end of its
+    socket, kills the call's session and exits."""
+    script = tmp_path / "owner.py"
+    script.write_text(f"""
+import asyncio, sys
+from streamrl.config.schema import PythonToolConfig
+from streamrl.rollout.sandbox import PythonTool
+tool = PythonTool(PythonToolConfig(enabled=True, timeout_s=60, network={NET!r}))
+async def main():
+    call = asyncio.create_task(tool.run("import time\\nprint('started', flush=True)\\ntime.sleep(60)"))
+    while tool.server.pid is None:
+        await asyncio.sleep(0.01)
+    print(tool.server.pid, flush=True)
+    await call
+asyncio.run(main())
+""")
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    server = int(owner.stdout.readline())
+    deadline = time.monotonic() + 10
+    while len(descendants(server)) < 3 and time.monotonic() < deadline:  # launcher, init, code
+        time.sleep(0.02)
+    calls = descendants(server)
+    assert len(calls) >= 3
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 5
+    while (_procs().keys() & (calls | {server})) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _procs().keys() & (calls | {server}) == set()
 
 
 # ---- counted by cause ---------------------------------------------------------------------------------
@@ -288,21 +346,24 @@ async def test_without_namespaces_the_audit_hook_keeps_it_in_its_folder(tmp_path
                           python=_interpreter_for_nobody())
     except ConfigError as e:
         pytest.skip(str(e))
-    assert await tool.run("print(2+2)") == "4\n"
-    assert await tool.run("open('mine', 'w').write('x')\nprint(open('mine').read())") == "x\n"
-    for code, says in ((f"open({str(tmp_path / 'escaped')!r}, 'w')", "no writing outside"),
-                       ("import os\nos.fork()", "os.fork is not allowed"),
-                       ("import ctypes", "no _ctypes"),
-                       (f"import os\nos.kill({os.getpid()}, 9)", "no signals"),
-                       (f"open('/proc/{os.getpid()}/environ').read()", "no other process's /proc"),
-                       ("import subprocess\nsubprocess.run(['true'])", "sandbox: ")):
+    try:
+        assert await tool.run("print(2+2)") == "4\n"
+        assert await tool.run("open('mine', 'w').write('x')\nprint(open('mine').read())") == "x\n"
+        for code, says in ((f"open({str(tmp_path / 'escaped')!r}, 'w')", "no writing outside"),
+                           ("import os\nos.fork()", "os.fork is not allowed"),
+                           ("import ctypes", "no _ctypes"),
+                           (f"import os\nos.kill({os.getpid()}, 9)", "no signals"),
+                           (f"open('/proc/{os.getpid()}/environ').read()", "no other process's /proc"),
+                           ("import subprocess\nsubprocess.run(['true'])", "sandbox: ")):
+            with pytest.raises(Exception) as info:
+                await tool.run(code)
+            assert getattr(info.value, "cause", None) == "exit_code" and says in info.value.output
+        assert not (tmp_path / "escaped").exists()
         with pytest.raises(Exception) as info:
-            await tool.run(code)
-        assert getattr(info.value, "cause", None) == "exit_code" and says in info.value.output
-    assert not (tmp_path / "escaped").exists()
-    with pytest.raises(Exception) as info:
-        await tool.run("bytearray(10 * 1024**3)")
-    assert getattr(info.value, "cause", None) == "memory"
+            await tool.run("bytearray(10 * 1024**3)")
+        assert getattr(info.value, "cause", None) == "memory"
+    finally:
+        await tool.aclose()  # its fork server
 
 
 @namespaces

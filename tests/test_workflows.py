@@ -5,6 +5,8 @@ of the workflow's parsing) where the model would have to choose to call a tool."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,18 @@ def manager_for(pool: EnginePool, tokenizer: Any, *, workflow: str, tools: list[
                              pool=pool, tokenizer=tokenizer, task=task, buffer=buffer, controller=ctl,
                              tools=ToolBox(ToolsConfig(functions=tools, timeout_s=timeout_s)))
     return manager, buffer, ctl
+
+
+@contextlib.asynccontextmanager
+async def producing(manager: RolloutManager) -> AsyncIterator[None]:
+    """The manager's loop running for the block's life; then stopped and closed."""
+    producer = asyncio.create_task(manager.run())
+    try:
+        yield
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        await manager.aclose()
 
 
 def calls(manager: RolloutManager) -> list[str]:
@@ -160,6 +174,15 @@ async def _until(cond: Any, timeout: float = 60) -> None:
             await asyncio.sleep(0.005)
 
 
+async def update_weights_mid_turn(pool: LocalPool, engine: TorchEngine, running: int, version: int = 1) -> None:
+    """A weight update with `pause_mode: abort` while `running` requests are in the engine: they come back
+    as partials, are sent again and wait in the paused engine, which then gets the new version."""
+    await pool.pause("abort")
+    await _until(lambda: engine.stats()["waiting"] == running)
+    await pool.weight_sync.load({}, version)
+    await pool.resume()
+
+
 async def test_an_interrupted_turn_resumes_with_the_new_weights_and_no_tool_runs_twice(
     agent_model_dir: Path,
 ) -> None:
@@ -173,10 +196,7 @@ async def test_an_interrupted_turn_resumes_with_the_new_weights_and_no_tool_runs
     try:
         # Every sample in its second model turn, a few tokens into it.
         await _until(lambda: len(calls(manager)) == 4 and engine.stats()["running"] == 4)
-        await pool.pause("abort")
-        await _until(lambda: engine.stats()["waiting"] == 4)  # resubmitted, held by the paused engine
-        await pool.weight_sync.load({}, 1)
-        await pool.resume()
+        await update_weights_mid_turn(pool, engine, running=4)
         [group] = await asyncio.wait_for(buffer.get_batch(1), 60)
     finally:
         producer.cancel()

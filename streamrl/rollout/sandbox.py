@@ -3,12 +3,12 @@
     tool = PythonTool(cfg.tools.python)      ToolBox makes it when tools.python.enabled
     await tool.run("print(2 + 2)")           -> "4\\n"; a failure raises ToolError(cause, ...)
 
-Each call starts `python -I -S rollout/sandbox_launch.py` (the run's own interpreter, standard
-library only) in a session of its own, reads at most `max_output_bytes` of its stdout and stderr
-together from one pipe, and kills the session when it has ended, run out of time or written too
-much. The launcher makes the isolation (namespaces, an unprivileged uid, rlimits); what this kernel
-allows is found once per process by starting it (`probe`). docs/environments.md says what holds by
-which mechanism.
+Each call is a launcher (rollout/sandbox_launch.py: the run's own interpreter, standard library
+only) forked by the tool's fork server (rollout/sandbox_server.py) into a session of its own; the
+tool reads at most `max_output_bytes` of its stdout and stderr together from one pipe, and kills the
+session when it has ended, run out of time or written too much. The launcher makes the isolation
+(namespaces, an unprivileged uid, rlimits); what this kernel allows is found once per process by
+starting it (`probe`). docs/environments.md says what holds by which mechanism.
 
 Knows nothing of episodes or tokens: code in, text out, or a ToolError that says why.
 """
@@ -16,7 +16,6 @@ Knows nothing of episodes or tokens: code in, text out, or a ToolError that says
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import marshal
@@ -34,12 +33,11 @@ from typing import Any, Literal
 from ..config import ConfigError
 from ..config.schema import PythonToolConfig
 from .sandbox_launch import NOBODY, SETUP_FAILED
+from .sandbox_server import LAUNCH_ENV, LAUNCHER, ForkServer, kill_session
 from .tool_error import ToolError
 
-LAUNCHER = Path(__file__).with_name("sandbox_launch.py")
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
 MAX_CODE_BYTES = 100_000  # one argv string may hold 128 KiB (MAX_ARG_STRLEN)
-_LAUNCH_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # the launcher's; the code gets its own
 
 PYTHON_TOOL: dict[str, Any] = {
     "type": "function",
@@ -79,7 +77,7 @@ def _launch_sync(settings: dict[str, Any], code: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of a short run, for the probe."""
     with subprocess.Popen([settings["python"], "-I", "-S", str(LAUNCHER), encode_settings(settings), code],
                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=_LAUNCH_ENV, start_new_session=True, cwd="/") as p:
+                          env=LAUNCH_ENV, start_new_session=True, cwd="/") as p:
         try:
             out, err = p.communicate(timeout=30)
         finally:
@@ -139,6 +137,7 @@ class PythonTool:
         self.cfg = cfg
         self.isolation = iso = isolation or probe()
         self.python, self.prefix = python or interpreter()
+        self.server = ForkServer(self.python)  # started by the first call
         if cfg.network == "none" and not iso.network_namespace:
             raise ConfigError("tools.python.network", "'none' needs a network namespace, which this machine does "
                               f"not give ({iso.reason or 'user namespaces refused'}); 'allowed' runs the code "
@@ -180,29 +179,37 @@ class PythonTool:
     async def _launch(self, code: str, workdir: str | None) -> tuple[int, bytes, str | None]:
         """(exit status, output, `timeout` / `output_limit` / None). The whole session is killed on the
         way out, whatever happened (a cancelled call too)."""
-        proc = await asyncio.create_subprocess_exec(
-            self.python, "-I", "-S", str(LAUNCHER), encode_settings(self.settings(workdir)), code,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_LAUNCH_ENV,
-            start_new_session=True, cwd="/")
-        assert proc.stdout is not None
-        out, cause = bytearray(), None
+        loop = asyncio.get_running_loop()
+        r, w = os.pipe()
+        reader = asyncio.StreamReader(limit=1 << 20)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(r, "rb", buffering=0))
+        pid, rc, out, cause = None, 0, bytearray(), None
         try:
+            try:
+                pid = await self.server.start(self.settings(workdir), code, w)
+            finally:
+                os.close(w)
             async with asyncio.timeout(self.cfg.timeout_s):
-                # EOF comes when every process holding the pipe is gone: with namespaces, when the
-                # code exits (its PID namespace dies with it).
-                while chunk := await proc.stdout.read(1 << 16):
+                # EOF comes when every process holding the pipe is gone, the launcher last: with
+                # namespaces, the code's processes die with their PID namespace.
+                while chunk := await reader.read(1 << 16):
                     out += chunk
                     if len(out) > self.cfg.max_output_bytes:
                         cause = "output_limit"
                         break
-                else:
-                    await proc.wait()
         except TimeoutError:
             cause = "timeout"
         finally:
-            kill_session(proc.pid)
-            await proc.wait()
-        return proc.returncode or 0, bytes(out), cause
+            transport.close()
+            if pid is not None:
+                kill_session(pid)  # before the launcher is reaped: its pid cannot be another's yet
+                rc = await self.server.wait(pid)
+        return rc, bytes(out), cause
+
+    async def aclose(self) -> None:
+        """Stop the fork server (and any call still running)."""
+        await self.server.aclose()
 
     def _verdict(self, rc: int, text: str, cause: str | None) -> tuple[str, str] | None:
         """(cause, message) of a failed run; None for one that succeeded."""
@@ -241,10 +248,3 @@ class PythonTool:
 def encode_settings(settings: dict[str, Any]) -> str:
     """The launcher's settings as it reads them without importing json: marshal (the same interpreter)."""
     return marshal.dumps(settings).hex()
-
-
-def kill_session(sid: int) -> None:
-    """SIGKILL to process group `sid` (the launcher's session). Its init is in it, and the kernel
-    kills a PID namespace with its init: code that left the group dies too."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
-        os.killpg(sid, signal.SIGKILL)

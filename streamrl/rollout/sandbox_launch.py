@@ -1,6 +1,13 @@
 """The processes of one sandboxed code run (`tools.python`, started by rollout/sandbox.py):
 
     python -I -S sandbox_launch.py SETTINGS CODE        SETTINGS: marshal, in hex (rollout/sandbox.py)
+    python -I -S sandbox_launch.py --serve FD           a fork server on socket FD (rollout/sandbox_server.py)
+
+The fork server makes a run's calls without an interpreter start each: per request (settings, code and
+the write end of the call's output pipe) it forks a launcher in a session of its own and answers its
+pid; asked, it waits for that launcher and answers its exit status. It reaps a launcher only when asked,
+so a pid the caller kills is never another process's. When its socket closes (the run has gone), it
+kills the sessions of the calls still running and exits.
 
 mode "namespaces" (where the kernel lets this process make them):
     launcher   new mount, PID, IPC and (network: none) network namespaces (a user namespace first
@@ -32,6 +39,7 @@ import struct
 import sys
 
 SETUP_FAILED = 125
+MAX_REQUEST = 1 << 18  # settings and code (at most rollout/sandbox.py's MAX_CODE_BYTES)
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x20000, 0x8000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -254,8 +262,9 @@ def _wait(pid: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def main() -> None:
-    s, code = marshal.loads(bytes.fromhex(sys.argv[1])), sys.argv[2]
+def launch(s: dict, code: str) -> None:
+    """This process becomes the launcher of one call: returns (or raises SystemExit) only in the code's
+    process, when the code has ended."""
     isolated = s["mode"] == "namespaces"
     try:
         if isolated:
@@ -277,6 +286,58 @@ def main() -> None:
         print(f"sandbox setup failed: {e}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
     _run_code(code)
+
+
+def serve(fd: int) -> None:
+    """The fork server on socket `fd` (SOCK_SEQPACKET): `R` + marshal((settings, code)) with one fd, the
+    output pipe -> the launcher's pid; `W` + pid -> its exit status (-1: not a call of ours). Each answer
+    is a signed 32-bit integer. No `try`/`with` around a fork: the launcher leaves through SystemExit."""
+    import socket
+
+    sock = socket.socket(fileno=fd)
+    calls: set[int] = set()
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 1)
+        except OSError:
+            break
+        if not msg:
+            break
+        if msg[:1] == b"W":
+            pid = struct.unpack("!i", msg[1:5])[0]
+            status = _wait(pid) if pid in calls else -1
+            calls.discard(pid)
+            sock.send(struct.pack("!i", status))
+            continue
+        s, code = marshal.loads(msg[1:])
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            os.setsid()  # the caller kills the call's session: this launcher and all below it
+            os.dup2(fds[0], 1)
+            os.dup2(fds[0], 2)
+            os.close(fds[0])
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            launch(s, code)
+            raise SystemExit(0)  # the code ended: the interpreter's own exit flushes its output
+        for f in fds:
+            os.close(f)
+        calls.add(pid)
+        sock.send(struct.pack("!i", pid))
+    for pid in calls:  # the run has gone, and so do the calls it left
+        try:  # noqa: SIM105 - contextlib is not imported: start-up time
+            os.killpg(pid, 9)
+        except OSError:
+            pass
+
+
+def main() -> None:
+    if sys.argv[1] == "--serve":
+        serve(int(sys.argv[2]))
+    else:
+        launch(marshal.loads(bytes.fromhex(sys.argv[1])), sys.argv[2])
 
 
 if __name__ == "__main__":

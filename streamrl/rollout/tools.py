@@ -128,9 +128,11 @@ class ToolBox:
             self.tools |= self.mcp.tools
 
     async def aclose(self) -> None:
-        """Stop the MCP servers (safe to call again, or before `start`)."""
+        """Stop the MCP servers and the code tool's fork server (safe to call again, or before `start`)."""
         if self.mcp is not None:
             await self.mcp.aclose()
+        if self.python is not None:
+            await self.python.aclose()
 
     def openai_tools(self) -> list[dict[str, Any]]:
         """The MCP tools (and `python`, where enabled) in the OpenAI function-tool format, for an agent's

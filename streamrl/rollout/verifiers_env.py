@@ -24,13 +24,13 @@ import contextlib
 import json
 import os
 import queue
-import shutil
 import subprocess
 import threading
 from pathlib import Path
 from typing import IO, Any
 
 from ..config import ConfigError, VerifiersConfig
+from ..procs import find_side_python
 from ..tasks import Task
 from .runner import Episode
 
@@ -41,15 +41,9 @@ INSTALL = "run `bash scripts/setup_verifiers.sh` (builds .venv-verifiers) or poi
 
 
 def find_verifiers_python(explicit: str | None = None) -> str | None:
-    """The Python that has verifiers: `explicit` (only it, when given), else $STREAMRL_VERIFIERS_PYTHON, else
-    `.venv-verifiers/bin/python` in the working folder or beside this checkout. None when none exists."""
-    here = Path(__file__).resolve().parents[2]
-    cands = [explicit] if explicit else [os.environ.get(ENV_PYTHON), f"{DEFAULT_VENV}/bin/python",
-                                          str(here / DEFAULT_VENV / "bin" / "python")]
-    for cand in cands:
-        if cand and ((Path(cand).is_file() and os.access(cand, os.X_OK)) or (os.sep not in cand and shutil.which(cand))):
-            return cand
-    return None
+    """The Python that has verifiers (`explicit`, $STREAMRL_VERIFIERS_PYTHON or .venv-verifiers;
+    procs.find_side_python)."""
+    return find_side_python(explicit, ENV_PYTHON, DEFAULT_VENV)
 
 
 class EnvironmentFailed(RuntimeError):

@@ -64,14 +64,15 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 300, 
 
 
 def supervised(model_dir: str | Path, out_dir: str | Path, example: Any, *, task: str, steps: int,
-               batch_size: int, lr: float, label_noise: float, seed: int, device: str) -> dict[str, Any]:
+               batch_size: int, lr: float, label_noise: float, seed: int, device: str,
+               records: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """The sloppy teacher's loop: `example(tokenizer, prompt, answer, use_tool) -> (ids, loss mask)`
-    on the training products, the tool used with probability `1 - label_noise`."""
+    on `records` (default: the training products), the tool used with probability `1 - label_noise`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    records = multiply_prompts("train", seed=seed)
+    records = records if records is not None else multiply_prompts("train", seed=seed)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import time
 from pathlib import Path
 
-from ...procs import EngineStartError, free_port, terminate_group
+from ...procs import EngineStartError, find_side_python, free_port, terminate_group
 from ..http.client import JsonHttpClient
 
 DEFAULT_VENV = ".venv-vllm"
@@ -24,15 +23,8 @@ ENV_PYTHON = "STREAMRL_VLLM_PYTHON"
 
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
-    """The (executable) Python that has vLLM: `explicit` (only it, when given), else $STREAMRL_VLLM_PYTHON, else
-    `.venv-vllm/bin/python` in the working folder or beside this checkout. None when none exists."""
-    here = Path(__file__).resolve().parents[3]
-    cands = [explicit] if explicit else [os.environ.get(ENV_PYTHON), f"{DEFAULT_VENV}/bin/python",
-                                          str(here / DEFAULT_VENV / "bin" / "python")]
-    for cand in cands:
-        if cand and ((Path(cand).is_file() and os.access(cand, os.X_OK)) or (os.sep not in cand and shutil.which(cand))):
-            return cand
-    return None
+    """The Python that has vLLM (`explicit`, $STREAMRL_VLLM_PYTHON or .venv-vllm; procs.find_side_python)."""
+    return find_side_python(explicit, ENV_PYTHON, DEFAULT_VENV)
 
 
 # vLLM's --max-lora-rank choices (vllm/config/lora.py)
