@@ -13,8 +13,8 @@ discarded, tool calls, and tool calls that ran more than once for the same sampl
 
 With `--tool code` the calculator is the code tool itself (`tools.python`'s sandbox, real): each call
 is a sandboxed program that waits as long, then prints the model's expression evaluated by Python; the
-sandbox's own cost (a process tree and its namespaces per call) is in the loop. Its results go to
-bench/results/code_tool_async.json.
+sandbox's own cost (a process tree and its namespaces per call) is in the loop. Each tool is a part of
+bench/results/agentic_async.json (`slow_tool`, `code_tool`): a run replaces its own part only.
 
     python bench/agentic_async.py [--steps 150] [--modes sync,eta4,eta8-push4] [--latencies 0.3,1.0] [--rounds 2]
     python bench/agentic_async.py --tool code
@@ -23,16 +23,12 @@ bench/results/code_tool_async.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import _slow_tool
-import torch
 import yaml
-from _table import print_table
+from _table import print_table, write_results
 from async_vs_sync import MODES, add_speedups, run_mode, summarize  # the long-tail benchmark's settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,15 +50,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tool's longest latency in seconds, one comparison each (a call takes max * u^4)")
     ap.add_argument("--tool", default="slow", choices=["slow", "code"],
                     help="slow: the calculator behind an asyncio wait; code: the calculator as a program run by "
-                         "the code tool's sandbox (tools.python), which waits as long; results to code_tool_async.json")
+                         "the code tool's sandbox (tools.python), which waits as long. Each is a part of the "
+                         "results file (`slow_tool`, `code_tool`)")
     ap.add_argument("--pool", default="http", choices=["http", "local"],
                     help="engines in their own process (`streamrl serve`, as in production) or in-process")
     ap.add_argument("--rounds", type=int, default=2,
                     help="run the mode list this many times, interleaved; report medians (machines here drift)")
     ap.add_argument("--work-dir", default=str(REPO / "runs" / "bench-agentic"))
-    ap.add_argument("--out", default=None, help="default: bench/results/agentic_async.json (code_tool_async.json)")
+    ap.add_argument("--out", default=str(RESULTS / "agentic_async.json"))
     args = ap.parse_args(argv)
-    args.out = args.out or str(RESULTS / ("code_tool_async.json" if args.tool == "code" else "agentic_async.json"))
     if unknown := [m for m in args.modes.split(",") if m not in MODES]:
         ap.error(f"--modes: unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
     base = yaml.safe_load((REPO / "configs" / "agentic.yaml").read_text())
@@ -100,15 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             "staleness_max", "tool_calls", "tool_reruns", "final_reward", "eval_sampled_after"]
     print_table(f"agentic async vs sync, tool latency up to tool_max_ms (x u^4), {rows[0]['samples']} samples per mode",
                 cols, ([r[c] for c in cols] for r in rows))
-    meta = {"steps": args.steps, "rounds": args.rounds, "pool": args.pool, "tool": args.tool,
-            "tool_latency": "tool_max_ms * u^4, u uniform" + (" inside the sandboxed program" if args.tool == "code" else ""),
-            "torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M")}
-    out = {"meta": meta, "results": rows}
-    if args.rounds > 1:
-        out["rounds"] = [r for rounds in by_latency.values() for r in rounds]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    meta = {"steps": args.steps, "rounds": args.rounds, "pool": args.pool,
+            "tool_latency": "tool_max_ms * u^4, u uniform" + (" inside the sandboxed program" if args.tool == "code" else "")}
+    extra = {"rounds": [r for rounds in by_latency.values() for r in rounds]} if args.rounds > 1 else {}
+    write_results(args.out, meta, rows, section=f"{args.tool}_tool", **extra)
     return 0
 
 

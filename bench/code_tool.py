@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import resource
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from _table import print_table
+from _table import print_table, write_results
 
 from streamrl.config.schema import PythonToolConfig
 from streamrl.rollout.sandbox import LAUNCHER, PythonTool, encode_settings, probe
@@ -104,11 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(main_async(args))
     cols = ["path", "wall_ms", "cpu_ms", "cpu_vs_interpreter", "calls_per_s_64"]
     print_table(f"code tool: one call of `{CODE}` ({probe().mode} sandbox)", cols, ([r[c] for c in cols] for r in rows))
-    meta = {"calls": args.calls, "rounds": args.rounds, "sandbox": probe().mode, "cpus": os.cpu_count(),
-            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, {"calls": args.calls, "rounds": args.rounds, "sandbox": probe().mode,
+                             "cpus": os.cpu_count()}, rows)
     return 0
 
 
