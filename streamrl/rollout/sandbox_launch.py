@@ -23,13 +23,14 @@ audit hook (a guard against honest mistakes, not a boundary: see docs/environmen
 
 A child killed by signal N is reported as exit status 128 + N, as shells do; 125 means the sandbox
 could not be set up (the reason is the last line of the output). Standard library only, imported
-by nothing: it starts in a few milliseconds and depends on nothing the sandbox may not read. A call's
-cost is mostly interpreter start-up, so nothing is imported that a call does not need (`json` and
-`signal` would bring `re` and `enum`: a third of it), and the code runs in this interpreter rather than
-a second one.
+by nothing: it starts in a few milliseconds and depends on nothing the sandbox may not read. It imports
+nothing a call does not need (`json` and `signal` would bring `re` and `enum`, a third of a start), the
+code runs in this interpreter rather than a second one, and what is the same for every call (the
+seccomp filter) is made once, before the fork server forks.
 """
 
 import _signal
+import atexit
 import ctypes
 import errno
 import marshal
@@ -172,8 +173,13 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def _refuse_syscalls() -> None:
-    """Install the seccomp filter of _REFUSED_SYSCALLS: each answers EPERM."""
+_SECCOMP: list[object] = []  # (the filter's buffer, its sock_fprog), made once per process
+
+
+def _seccomp_filter() -> object:
+    """The seccomp filter of _REFUSED_SYSCALLS (each answers EPERM), as prctl takes it."""
+    if _SECCOMP:
+        return _SECCOMP[1]
     machine = os.uname().machine
     if machine not in _REFUSED_SYSCALLS:
         raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}")
@@ -195,7 +201,13 @@ def _refuse_syscalls() -> None:
     class Fprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    fprog = Fprog(len(prog), ctypes.addressof(buf))
+    _SECCOMP[:] = [buf, Fprog(len(prog), ctypes.addressof(buf))]
+    return _SECCOMP[1]
+
+
+def _refuse_syscalls() -> None:
+    """Install the seccomp filter."""
+    fprog = _seccomp_filter()
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl no_new_privs")
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
 
@@ -214,7 +226,8 @@ def _limits(s: dict) -> None:
 
 
 def _exec_code(s: dict, code: str, isolated: bool) -> None:
-    """The code's process: unprivileged, limited, then the interpreter (never returns)."""
+    """The code's process: unprivileged, limited; then, with namespaces, back to run the code here
+    (`_run_code`), else the interpreter with the audit hook (never returns)."""
     if os.getuid() == 0:
         os.setgroups([])
         os.setresgid(NOBODY, NOBODY, NOBODY)
@@ -256,7 +269,7 @@ def _run_code(code: str) -> None:
         tb = e.__traceback__.tb_next if e.__traceback__ else None
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         status = 1
-    for finish in (getattr(sys.modules.get("threading"), "_shutdown", None), _atexit()):
+    for finish in (getattr(sys.modules.get("threading"), "_shutdown", None), atexit._run_exitfuncs):
         if finish is not None:
             try:
                 finish()
@@ -268,12 +281,6 @@ def _run_code(code: str) -> None:
         except BaseException:  # noqa: BLE001 - a closed or broken stream: the interpreter says 120
             status = status or 120
     os._exit(status)
-
-
-def _atexit() -> object:
-    import atexit  # built in: nothing to read from disk
-
-    return atexit._run_exitfuncs
 
 
 def _exit_status(code: object) -> int:
@@ -327,6 +334,10 @@ def serve(fd: int) -> None:
 
     sock = socket.socket(fileno=fd)
     calls: set[int] = set()
+    try:  # noqa: SIM105 - once here, inherited by every fork (contextlib is not imported)
+        _seccomp_filter()
+    except OSError:
+        pass  # each call says so, as the launcher's setup failing
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 1)
